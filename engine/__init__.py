@@ -1,0 +1,1 @@
+"""Ember's engine: model, pools, compiled decode runner, scheduler. Never imports FastAPI."""

@@ -1,0 +1,50 @@
+"""Every engine setting in one frozen dataclass. Built once (CLI > EMBER_* env > TOML > default) and never mutated."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF folder or .gguf file; None = the embedded SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"  # bfloat16 | float32
+    max_total_tokens: int | None = None  # KV slots; None = sized from available memory
+    mem_fraction: float = 0.3  # of available memory given to the KV pool when max_total_tokens is unset
+    max_running_requests: int = 32
+    max_context_len: int | None = None  # None = the model's max_position_embeddings (capped at 32768)
+    decode_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    disable_compile: bool = False
+    compile_cache_dir: str | None = None
+    cpp_wrapper: bool = False
+    chunked_prefill_size: int = 512
+    max_prefill_tokens: int = 4096
+    max_queued_requests: int = 1024
+    num_threads: int | None = None  # torch threads; None = all cores
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be at least 1")
+        if not self.decode_buckets or any(b < 1 for b in self.decode_buckets):
+            raise ValueError(f"decode buckets must be positive integers, got {self.decode_buckets}")
+        if not 0.0 < self.mem_fraction < 1.0:
+            raise ValueError("mem_fraction must be in (0, 1)")
+        if self.chunked_prefill_size < 16:
+            raise ValueError("chunked_prefill_size must be at least 16")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Sorted buckets capped by max_running_requests; the cap itself is always a bucket."""
+        cap = self.max_running_requests
+        kept = sorted({b for b in self.decode_buckets if b < cap} | {cap})
+        return tuple(kept)
+
+    @property
+    def torch_dtype(self) -> "torch.dtype":  # noqa: F821 - torch imported lazily
+        import torch
+
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]

@@ -1,0 +1,104 @@
+"""Compiled decode step per batch-size bucket: pad to the bucket, run its graph, slice back.
+
+Static input buffers are allocated once at the largest bucket; bucket b runs on views `[:b]` of them, so
+every call of one bucket sees identical shapes, strides and data pointers and never recompiles. Padded
+rows point at request row 0 / KV slot 0 with sequence length 1 (see engine/pools.py).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch._dynamo
+
+import kernels_fake  # noqa: F401  (fake kernels must exist before tracing ember:: ops)
+
+log = logging.getLogger("ember.compile")
+
+# step(input_ids, positions, req_rows, seq_lens, out_slots, req_to_token, k_caches, v_caches) -> logits [B, V]
+DecodeStep = Callable[..., torch.Tensor]
+
+
+class DecodeGraphs:
+    def __init__(self, step: DecodeStep, buckets: tuple[int, ...], compile: bool, cpp_wrapper: bool = False) -> None:
+        self.step, self.buckets, self.compiled = step, tuple(sorted(buckets)), compile
+        self.cpp_wrapper = cpp_wrapper
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64)
+        self.positions = torch.zeros(n, dtype=torch.int64)
+        self.req_rows = torch.zeros(n, dtype=torch.int64)
+        self.seq_lens = torch.ones(n, dtype=torch.int64)
+        self.out_slots = torch.zeros(n, dtype=torch.int64)
+        self.fns: dict[int, DecodeStep] = {}
+        self.compile_seconds: dict[int, float] = {}
+        self.steps_per_bucket: dict[int, int] = dict.fromkeys(self.buckets, 0)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, batch: int) -> int:
+        if batch > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds the largest decode bucket {self.max_batch}")
+        return self.buckets[bisect.bisect_left(self.buckets, batch)]
+
+    def capture(self, req_to_token: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                on_bucket: Callable[[int, float], None] | None = None) -> None:
+        """Compile every bucket now, largest first (the largest sets the memory high-water mark early)."""
+        # Each bucket is its own graph of one code object: allow them all, plus slack.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 4)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 4 * len(self.buckets) + 16
+        )
+        order = sorted(self.buckets, reverse=True)
+        for i, bs in enumerate(order, 1):
+            t0 = time.perf_counter()
+            if self.compiled:
+                self.fns[bs] = torch.compile(
+                    self.step, dynamic=False, fullgraph=True,
+                    options={"freezing": True, "cpp_wrapper": self.cpp_wrapper},
+                )
+            else:
+                self.fns[bs] = self.step
+            self._run_padding_only(bs, req_to_token, k_caches, v_caches)
+            secs = time.perf_counter() - t0
+            self.compile_seconds[bs] = secs
+            if self.compiled:
+                log.info("compiled decode bucket %d [%d/%d] in %.1f s", bs, i, len(order), secs)
+            if on_bucket is not None:
+                on_bucket(bs, secs)
+
+    def _run_padding_only(self, bs: int, req_to_token: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        self._pad_from(0, bs)
+        with torch.no_grad():
+            self.fns[bs](self.input_ids[:bs], self.positions[:bs], self.req_rows[:bs], self.seq_lens[:bs],
+                         self.out_slots[:bs], req_to_token, k, v)
+
+    def _pad_from(self, start: int, end: int) -> None:
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.req_rows[start:end] = 0
+        self.seq_lens[start:end] = 1
+        self.out_slots[start:end] = 0
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor, out_slots: torch.Tensor,
+            req_to_token: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Logits [B, V] for one decode step of B real rows."""
+        b = int(input_ids.numel())
+        bs = self.bucket_for(b)
+        if bs not in self.fns:
+            raise RuntimeError(f"decode bucket {bs} was never captured")
+        self.input_ids[:b] = input_ids
+        self.positions[:b] = positions
+        self.req_rows[:b] = req_rows
+        self.seq_lens[:b] = positions + 1
+        self.out_slots[:b] = out_slots
+        self._pad_from(b, bs)
+        self.steps_per_bucket[bs] += 1
+        with torch.no_grad():
+            logits = self.fns[bs](self.input_ids[:bs], self.positions[:bs], self.req_rows[:bs], self.seq_lens[:bs],
+                                  self.out_slots[:bs], req_to_token, k_caches, v_caches)
+        return logits[:b]

@@ -1,0 +1,1 @@
+"""The Llama-family decoder that runs over the KV pool."""

@@ -1,0 +1,47 @@
+"""Per-step attention inputs. One object per forward; each layer calls `attend` with its own K/V cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import engine.ops.attention  # noqa: F401  (registers the ember:: ops)
+
+
+@dataclass(frozen=True)
+class DecodeMeta:
+    """One new token per request. Padded rows use request row 0, slot 0, length 1."""
+
+    out_slots: torch.Tensor  # [B] int64
+    req_to_token: torch.Tensor
+    req_rows: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return torch.ops.ember.decode_attention(
+            q, k, v, k_cache, v_cache, self.out_slots, self.req_to_token, self.req_rows, self.seq_lens, scale
+        )
+
+
+@dataclass(frozen=True)
+class ExtendMeta:
+    """A chunk of new tokens per request (prefill), tokens of all requests concatenated."""
+
+    out_slots: torch.Tensor  # [T] int64
+    req_to_token: torch.Tensor
+    req_rows: torch.Tensor  # [N] int64
+    prefix_lens: torch.Tensor  # [N] int64
+    extend_lens: torch.Tensor  # [N] int64
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return torch.ops.ember.extend_attention(
+            q, k, v, k_cache, v_cache, self.out_slots, self.req_to_token, self.req_rows,
+            self.prefix_lens, self.extend_lens, scale,
+        )
+
+
+AttentionMeta = DecodeMeta | ExtendMeta

@@ -1,0 +1,107 @@
+"""Llama-family decoder (Llama incl. Llama-3 rope scaling, Mistral, Qwen2 qkv bias, Qwen3 q/k norm) over the KV pool.
+
+The forward is a pure function of its inputs plus the weights: tokens are flattened to [T] (prefill: all new
+tokens of all requests; decode: one per request), caches are passed in per layer, attention inputs arrive
+as one `AttentionMeta`. Q/K/V and gate/up are fused into one matmul each: fewer, fatter GEMMs suit the
+skinny decode shapes, and the loader fills the fused weights slice by slice (no second copy of the weights).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.loader.model_config import ModelConfig
+from engine.model.attention_meta import AttentionMeta
+from engine.model.rope import apply_rope, inv_freq_and_scaling, rope_table
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as HF's LlamaRMSNorm: normalise in fp32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.input_layernorm = _param(h)
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
+        self.q_norm = _param(d) if cfg.qk_norm else None
+        self.k_norm = _param(d) if cfg.qk_norm else None
+        self.o_proj = _param(h, self.q_size)
+        self.post_attention_layernorm = _param(h)
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, h)
+        self.down_proj = _param(h, cfg.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMeta,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        h = rms_norm(x, self.input_layernorm, cfg.rms_norm_eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.contiguous().view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        attn = meta.attend(q, k, v, k_cache, v_cache, cfg.head_dim**-0.5)
+        x = x + F.linear(attn.reshape(t, self.q_size), self.o_proj)
+        h = rms_norm(x, self.post_attention_layernorm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
+        inv_freq, scaling = inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.head_dim)
+        cos, sin = rope_table(inv_freq, scaling, max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMeta,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        logit_rows: torch.Tensor | None = None,  # rows whose logits are wanted (prefill: each request's last token)
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos[positions].to(x.dtype)
+        sin = self.rope_sin[positions].to(x.dtype)
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            x = layer(x, cos, sin, meta, k_cache, v_cache)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()

@@ -1,0 +1,79 @@
+"""Build the decoder on the meta device and fill it from a checkpoint's (HF name, tensor) stream.
+
+Each parameter is materialised once, at its first shard, in the target dtype; checkpoint tensors are
+copied in one at a time, so peak memory is the model plus one source tensor.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.loader.model_config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model.rope import inv_freq_and_scaling, rope_table
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# HF name inside a layer -> (our parameter, which shard of a fused weight or None)
+_LAYER_MAP: dict[str, tuple[str, str | None]] = {
+    "input_layernorm.weight": ("input_layernorm", None),
+    "post_attention_layernorm.weight": ("post_attention_layernorm", None),
+    "self_attn.q_proj.weight": ("qkv_proj", "q"),
+    "self_attn.k_proj.weight": ("qkv_proj", "k"),
+    "self_attn.v_proj.weight": ("qkv_proj", "v"),
+    "self_attn.q_proj.bias": ("qkv_bias", "q"),
+    "self_attn.k_proj.bias": ("qkv_bias", "k"),
+    "self_attn.v_proj.bias": ("qkv_bias", "v"),
+    "self_attn.o_proj.weight": ("o_proj", None),
+    "self_attn.q_norm.weight": ("q_norm", None),
+    "self_attn.k_norm.weight": ("k_norm", None),
+    "mlp.gate_proj.weight": ("gate_up_proj", "gate"),
+    "mlp.up_proj.weight": ("gate_up_proj", "up"),
+    "mlp.down_proj.weight": ("down_proj", None),
+}
+_TOP_MAP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+
+
+def _shard_range(cfg: ModelConfig, shard: str) -> tuple[int, int]:
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}[shard]
+
+
+def build_model(
+    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_positions: int
+) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions)
+    rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
+    cos, sin = rope_table(*inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.head_dim), max_positions)
+    model.rope_cos, model.rope_sin = cos, sin  # fp32 tables, cast per step like HF does
+
+    for name, tensor in tensors:
+        target: tuple[nn.Module, str, str | None] | None = None
+        if name in _TOP_MAP:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # some tied checkpoints store a copy; the embedding is the head
+            target = (model, _TOP_MAP[name], None)
+        elif (m := _LAYER.fullmatch(name)) and m.group(2) in _LAYER_MAP:
+            attr, shard = _LAYER_MAP[m.group(2)]
+            target = (model.layers[int(m.group(1))], attr, shard)
+        elif name.endswith("rotary_emb.inv_freq"):
+            continue
+        if target is None:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint for architecture {cfg.architecture}")
+        module, attr, shard = target
+        param = getattr(module, attr)
+        if param.is_meta:
+            param = nn.Parameter(torch.empty(param.shape, dtype=dtype), requires_grad=False)
+            setattr(module, attr, param)
+        dst = param.data if shard is None else param.data[slice(*_shard_range(cfg, shard))]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    return model.eval()

@@ -1,0 +1,131 @@
+"""Owns the model, the pools and the compiled decode graphs; runs prefill (extend) and decode forwards.
+
+The runner is the only writer of the request-to-token table: callers hand it the KV slots they allocated
+and it records them at the right positions before the forward that writes their K/V.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
+from engine.loader import LoadedCheckpoint
+from engine.loader.model_config import ModelConfig
+from engine.model.attention_meta import DecodeMeta, ExtendMeta
+from engine.model.llama import LlamaModel
+from engine.model.weights import build_model
+from engine.pools import KVPool, ReqToTokenPool
+
+log = logging.getLogger("ember.runner")
+
+MAX_CONTEXT_CAP = 32768
+
+
+class KVMemoryError(MemoryError):
+    pass
+
+
+@dataclass(frozen=True)
+class ExtendChunk:
+    """New tokens of one request in a prefill batch; `slots` were allocated for exactly these tokens."""
+
+    req_row: int
+    prefix_len: int  # tokens of this request already in the KV cache
+    token_ids: list[int]
+    slots: torch.Tensor  # [len(token_ids)] int64
+
+
+class DecodeStepModule(nn.Module):
+    """The pure decode step that torch.compile sees: weights are module state, everything else an input."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
+                out_slots: torch.Tensor, req_to_token: torch.Tensor, k_caches: list[torch.Tensor],
+                v_caches: list[torch.Tensor]) -> torch.Tensor:
+        meta = DecodeMeta(out_slots=out_slots, req_to_token=req_to_token, req_rows=req_rows, seq_lens=seq_lens)
+        return self.model(input_ids, positions, meta, k_caches, v_caches)
+
+
+def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int) -> int:
+    per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    budget = psutil.virtual_memory().available * config.mem_fraction
+    slots = min(int(budget // per_slot), config.max_running_requests * max_context)
+    if slots < max_context:
+        need = max_context * per_slot / 2**30
+        raise KVMemoryError(
+            f"the KV pool needs {need:.2f} GiB to hold one full-context request ({max_context} tokens) but "
+            f"--mem-fraction {config.mem_fraction} of available memory gives {budget / 2**30:.2f} GiB; raise "
+            "--mem-fraction, lower --max-context-len, or set --max-total-tokens"
+        )
+    return slots
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint,
+                 on_bucket: Callable[[int, float], None] | None = None) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        if config.compile_cache_dir:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.compile_cache_dir
+        mc = self.model_config = checkpoint.config
+        self.max_context = min(config.max_context_len or mc.max_position_embeddings, MAX_CONTEXT_CAP)
+        t0 = time.perf_counter()
+        self.model = build_model(mc, checkpoint.tensors(), config.torch_dtype, self.max_context)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        log.info("loaded %s (%s, %.1fM parameters, %s) in %.1f s", mc.name, mc.architecture, n_params / 1e6,
+                 config.dtype, time.perf_counter() - t0)
+        num_slots = size_kv_pool(config, mc, self.max_context)
+        self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context)
+        self.kv_pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+        per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+        log.info("KV pool: %d slots (%.2f GiB), max context %d, max running requests %d", num_slots,
+                 num_slots * per_slot / 2**30, self.max_context, config.max_running_requests)
+        self.graphs = DecodeGraphs(DecodeStepModule(self.model), config.buckets, not config.disable_compile,
+                                   config.cpp_wrapper)
+        log.info("decode buckets %s (%s)", list(self.graphs.buckets),
+                 "eager" if config.disable_compile else "compiling, largest first")
+        self.graphs.capture(self.req_pool.table, self.kv_pool.k, self.kv_pool.v, on_bucket)
+
+    @torch.no_grad()
+    def extend(self, chunks: list[ExtendChunk]) -> torch.Tensor:
+        """Prefill a chunk of each request; returns fp32 logits [N, V] of each chunk's last token."""
+        table = self.req_pool.table
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        last_rows: list[int] = []
+        for c in chunks:
+            n = len(c.token_ids)
+            table[c.req_row, c.prefix_len : c.prefix_len + n] = c.slots.to(torch.int32)
+            ids.extend(c.token_ids)
+            positions.append(torch.arange(c.prefix_len, c.prefix_len + n))
+            last_rows.append(len(ids) - 1)
+        meta = ExtendMeta(
+            out_slots=torch.cat([c.slots for c in chunks]),
+            req_to_token=table,
+            req_rows=torch.tensor([c.req_row for c in chunks], dtype=torch.int64),
+            prefix_lens=torch.tensor([c.prefix_len for c in chunks], dtype=torch.int64),
+            extend_lens=torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64),
+        )
+        return self.model(torch.tensor(ids, dtype=torch.int64), torch.cat(positions), meta, self.kv_pool.k,
+                          self.kv_pool.v, logit_rows=torch.tensor(last_rows, dtype=torch.int64))
+
+    @torch.no_grad()
+    def decode(self, req_rows: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
+               out_slots: torch.Tensor) -> torch.Tensor:
+        """One decode step: token `input_ids[i]` sits at `positions[i]` of request row `req_rows[i]`."""
+        self.req_pool.table[req_rows, positions] = out_slots.to(torch.int32)
+        return self.graphs.run(input_ids, positions, req_rows, out_slots, self.req_pool.table, self.kv_pool.k,
+                               self.kv_pool.v)

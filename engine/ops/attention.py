@@ -1,0 +1,81 @@
+"""Attention over the token-granular KV pool, as opaque `ember::` custom ops.
+
+Sequence lengths are data-dependent, so `torch.compile` cannot trace this part with static shapes: the
+compiled decode graph calls these ops as single nodes (fake kernels in `kernels_fake/attention.py`).
+
+Layout invariants (see engine/pools.py):
+  k_cache, v_cache: [num_slots + 1, kv_heads, head_dim] for ONE layer; slot 0 is the padding slot.
+  req_to_token:     [max_running + 1, max_context] int32; row 0 is the padding row and maps to slot 0.
+Both ops first write this step's K/V into `out_slots`, then attend, so a token sees itself.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("ember::decode_attention", mutates_args=("k_cache", "v_cache"))
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k: torch.Tensor,  # [B, KVH, D]
+    v: torch.Tensor,  # [B, KVH, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,  # [B] int64: where this step's K/V go
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,  # [B] int64
+    seq_lens: torch.Tensor,  # [B] int64, including this step's token
+    scale: float,
+) -> torch.Tensor:
+    k_cache.index_copy_(0, out_slots, k)
+    v_cache.index_copy_(0, out_slots, v)
+    bsz, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    max_len = int(seq_lens.max())
+    slots = req_to_token.index_select(0, req_rows)[:, :max_len].to(torch.int64)  # [B, L]
+    # Gather straight into [B, KVH, L, D] so both products below are plain batched matmuls.
+    keys = k_cache[slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
+    values = v_cache[slots].permute(0, 2, 1, 3)
+    qg = q.view(bsz, kv_heads, heads // kv_heads, dim)  # GQA: query groups share one KV head
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
+    pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [B, KVH, G, D]
+    return out.reshape(bsz, heads, dim)
+
+
+@torch.library.custom_op("ember::extend_attention", mutates_args=("k_cache", "v_cache"))
+def extend_attention(
+    q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,  # [T] int64
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,  # [N] int64
+    prefix_lens: torch.Tensor,  # [N] int64: tokens already in the cache before this chunk
+    extend_lens: torch.Tensor,  # [N] int64: new tokens of each request in this chunk
+    scale: float,
+) -> torch.Tensor:
+    k_cache.index_copy_(0, out_slots, k)
+    v_cache.index_copy_(0, out_slots, v)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    # Prefill is few requests of many tokens each: one SDPA per request is the efficient shape.
+    for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+        total = prefix + ext
+        slots = req_to_token[row, :total].to(torch.int64)
+        keys = k_cache[slots].transpose(0, 1)  # [KVH, total, D]
+        values = v_cache[slots].transpose(0, 1)
+        qs = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
+        # Query i sits at absolute position prefix + i and sees keys 0..prefix + i.
+        mask = torch.ones(ext, total, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+        o = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
+        )
+        out[start : start + ext] = o.transpose(0, 1)
+        start += ext
+    return out

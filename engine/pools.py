@@ -1,0 +1,78 @@
+"""The request-to-token table and the token-granular KV pool, with their free-list allocators.
+
+Invariants: request row 0 and KV slot 0 are never handed out; padded batch rows point at them, so their
+writes land somewhere nobody reads. A row or slot is in exactly one of {free list, in use}: allocators
+refuse a double free loudly instead of corrupting another request's cache.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """[size + 1, max_context] int32 map (request row, position) -> KV slot. Row 0 is the padding row."""
+
+    def __init__(self, size: int, max_context: int) -> None:
+        self.size, self.max_context = size, max_context
+        self.table = torch.zeros(size + 1, max_context, dtype=torch.int32)
+        self._free = list(range(size, 0, -1))  # pop() hands out the lowest row first
+        self._in_use = [False] * (size + 1)
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        if not self._free:
+            return None
+        row = self._free.pop()
+        self._in_use[row] = True
+        return row
+
+    def free(self, row: int) -> None:
+        if row <= 0 or not self._in_use[row]:
+            raise RuntimeError(f"request row {row} freed but not in use")
+        self._in_use[row] = False
+        self._free.append(row)
+
+
+class KVPool:
+    """Per-layer K and V buffers [num_slots + 1, kv_heads, head_dim] and the free-slot allocator.
+
+    One tensor per layer (not one for all layers): inductor then writes the new K/V in place instead of
+    cloning a layer's slice of a shared buffer every step (DESIGN.md §4).
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.num_slots = num_slots
+        shape = (num_slots + 1, kv_heads, head_dim)
+        # zeros() maps fresh pages lazily, so an unused pool costs address space, not resident memory.
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
+        self._in_use = torch.zeros(num_slots + 1, dtype=torch.bool)
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+
+    def available_size(self) -> int:
+        return int(self._free.numel())
+
+    def used_size(self) -> int:
+        return self.num_slots - self.available_size()
+
+    def allocate(self, n: int) -> torch.Tensor | None:
+        """n distinct free slots (int64), or None when fewer than n are free (nothing is taken then)."""
+        if n > self._free.numel():
+            return None
+        out, self._free = self._free[:n], self._free[n:]
+        self._in_use[out] = True
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        if bool((slots <= 0).any()) or not bool(self._in_use[slots].all()) or slots.unique().numel() != slots.numel():
+            raise RuntimeError("KV slots freed twice or never allocated")
+        self._in_use[slots] = False
+        self._free = torch.cat([self._free, slots.to(torch.int64)])

@@ -1,0 +1,5 @@
+"""Fake (meta) kernels of the engine's custom ops, so `torch.compile` can trace around them.
+
+Import this package before compiling anything that calls an `ember::` op.
+"""
+from kernels_fake import attention as _attention  # noqa: F401  (registers on import)

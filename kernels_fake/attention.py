@@ -1,0 +1,39 @@
+"""Fake kernels for `ember::decode_attention` and `ember::extend_attention`: output shape = q's shape."""
+from __future__ import annotations
+
+import torch
+
+import engine.ops.attention  # noqa: F401  (defines the ops the fakes attach to)
+
+
+@torch.library.register_fake("ember::decode_attention")
+def _decode_attention_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("ember::extend_attention")
+def _extend_attention_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q)

@@ -1,0 +1,1 @@
+"""Ember's HTTP face (FastAPI on uvicorn) and the `ember` command line."""
