@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 import torch._dynamo
+import torch._inductor.config
 
 import kernels_fake  # noqa: F401  (fake kernels must exist before tracing ember:: ops)
 
@@ -56,14 +57,11 @@ class DecodeGraphs:
         order = sorted(self.buckets, reverse=True)
         for i, bs in enumerate(order, 1):
             t0 = time.perf_counter()
-            if self.compiled:
-                self.fns[bs] = torch.compile(
-                    self.step, dynamic=False, fullgraph=True,
-                    options={"freezing": True, "cpp_wrapper": self.cpp_wrapper},
-                )
-            else:
-                self.fns[bs] = self.step
-            self._run_padding_only(bs, req_to_token, k_caches, v_caches)
+            self.fns[bs] = torch.compile(self.step, dynamic=False, fullgraph=True) if self.compiled else self.step
+            # Compilation happens at this first call. Freezing turns the weights into constants so oneDNN can
+            # prepack them (DESIGN.md §4); it must be set globally here: torch.compile(options=...) ignores it.
+            with torch._inductor.config.patch(freezing=True, cpp_wrapper=self.cpp_wrapper):
+                self._run_padding_only(bs, req_to_token, k_caches, v_caches)
             secs = time.perf_counter() - t0
             self.compile_seconds[bs] = secs
             if self.compiled:

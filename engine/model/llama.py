@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.loader.model_config import ModelConfig
 from engine.model.attention_meta import AttentionMeta
-from engine.model.rope import apply_rope, inv_freq_and_scaling, rope_table
+from engine.model.rope import apply_rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,18 +73,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
+        """rope_cos/rope_sin: fp32 [max_positions, head_dim] tables (engine/model/rope.py), cast per step like HF."""
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
-        rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
-        inv_freq, scaling = inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.head_dim)
-        cos, sin = rope_table(inv_freq, scaling, max_positions)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
 
     def forward(
         self,

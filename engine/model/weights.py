@@ -44,11 +44,10 @@ def _shard_range(cfg: ModelConfig, shard: str) -> tuple[int, int]:
 def build_model(
     cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_positions: int
 ) -> LlamaModel:
-    with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions)
     rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
     cos, sin = rope_table(*inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.head_dim), max_positions)
-    model.rope_cos, model.rope_sin = cos, sin  # fp32 tables, cast per step like HF does
+    with torch.device("meta"):  # parameters only: the rope tables above are real
+        model = LlamaModel(cfg, cos, sin)
 
     for name, tensor in tensors:
         target: tuple[nn.Module, str, str | None] | None = None

@@ -1,0 +1,116 @@
+"""The server's handle on the engine: `generate()` is an async iterator of outputs; leaving it early aborts.
+
+Bridge: the engine thread calls `_deliver` with one step's outputs; that schedules a single callback on the
+event loop (`call_soon_threadsafe`) which fans them out to per-request asyncio queues. Nothing polls.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.engine_thread import EngineThread
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class _Fatal:
+    error: BaseException
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, on_bucket: Callable[[int, float], None] | None = None) -> None:
+        self.config = config
+        self._queues: dict[str, asyncio.Queue[RequestOutput | _Fatal]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = EngineThread(config, self._deliver, self._fatal, on_bucket)
+        self.error: BaseException | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start loading and compiling in the background; `ready` turns true when it can serve."""
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        assert self._loop is not None
+        await self._loop.run_in_executor(None, self._thread.ready.wait)
+
+    @property
+    def ready(self) -> bool:
+        return self._thread.ready.is_set() and self.error is None
+
+    @property
+    def core(self) -> EngineCore:
+        if self._thread.core is None:
+            raise EngineDeadError("the engine is not ready")
+        return self._thread.core
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._thread.stop(timeout)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._queues)
+
+    # ---- requests -------------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed: {self.error}")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        reqs = self.core.make_requests(request_id, prompt_ids, params)  # validates; raises before queueing
+        # Counted here, on the event loop, so it is exact: everything beyond the running batch is queued.
+        if len(self._queues) >= self.config.max_running_requests + self.config.max_queued_requests:
+            raise QueueFullError(f"the queue is full ({self.config.max_queued_requests} waiting requests)")
+        q: asyncio.Queue[RequestOutput | _Fatal] = asyncio.Queue()
+        self._queues[request_id] = q
+        self._thread.submit(reqs)
+        remaining = len(reqs)
+        try:
+            while remaining:
+                item = await q.get()
+                if isinstance(item, _Fatal):
+                    raise EngineDeadError(f"the engine failed: {item.error}")
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            del self._queues[request_id]
+            if remaining:  # the caller left early (disconnect, cancel, error): free its KV now
+                self._thread.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._thread.abort(request_id)
+
+    # ---- engine-thread side ---------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._fan_out, outputs)
+
+    def _fan_out(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:  # absent: the caller already left
+                q.put_nowait(out)
+
+    def _fatal(self, error: BaseException) -> None:
+        self.error = error
+        self._thread.ready.set()  # unblock anyone waiting for readiness; `ready` stays false
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fan_out_fatal, error)
+
+    def _fan_out_fatal(self, error: BaseException) -> None:
+        for q in self._queues.values():
+            q.put_nowait(_Fatal(error))

@@ -1,0 +1,91 @@
+"""The engine in one object: model, pools, scheduler. Single-threaded; `engine_thread` runs it in the background.
+
+Used directly (in the caller's thread) by the offline CLI, the benchmark and the tests.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_tokenizer, open_checkpoint
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.result_processor import ResultProcessor, take_output
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.scheduler import Scheduler
+from engine.stop import StopChecker
+
+log = logging.getLogger("ember.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, on_bucket: Callable[[int, float], None] | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        self.config = config
+        checkpoint = open_checkpoint(config.model)
+        self.model_config = checkpoint.config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        self.runner = ModelRunner(config, checkpoint, on_bucket)
+        self.max_context = self.runner.max_context
+        self.results = ResultProcessor(self.model_config.eos_token_ids, self.model_config.vocab_size, self.max_context)
+        self.scheduler = Scheduler(self.runner, self.results, config)
+
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[Request]:
+        """The n sequences of one request, validated against the model's limits (raises SamplingParamsError)."""
+        if not prompt_ids:
+            raise SamplingParamsError("the prompt must contain at least one token", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise SamplingParamsError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if any(t < 0 or t >= vocab for t in (*params.logit_bias, *params.stop_token_ids)):
+            raise SamplingParamsError(f"token ids must be in [0, {vocab})", "logit_bias")
+        room = self.max_context - len(prompt_ids)
+        wanted = params.max_tokens or 1
+        if room < wanted:
+            raise SamplingParamsError(
+                f"this model's maximum context length is {self.max_context} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens and max_tokens asks for {wanted} more", "max_tokens")
+        if len(prompt_ids) + wanted > self.runner.kv_pool.num_slots:
+            raise SamplingParamsError(
+                f"prompt plus max_tokens ({len(prompt_ids) + wanted} tokens) exceeds the KV pool "
+                f"({self.runner.kv_pool.num_slots} tokens)", "max_tokens")
+        return [
+            Request(
+                request_id=request_id, index=i, prompt_ids=list(prompt_ids), params=params,
+                max_new_tokens=min(params.max_tokens or room, room),
+                detok=IncrementalDetokenizer(self.tokenizer, list(prompt_ids), params.skip_special_tokens),
+                stop=StopChecker(params.stop),
+                seed=None if params.seed is None else params.seed + i,
+            )
+            for i in range(params.n)
+        ]
+
+    def add(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        return [o for r in self.scheduler.abort(request_id) if (o := take_output(r)) is not None]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        return [o for r in self.scheduler.step() if (o := take_output(r)) is not None]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline: run prompts to completion, return each request's output token ids (choice 0)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            self.add(self.make_requests(f"offline-{i}", p, sp))
+        outs: dict[str, list[int]] = {f"offline-{i}": [] for i in range(len(prompts))}
+        while self.has_work():
+            for o in self.step():
+                if o.index == 0:
+                    outs[o.request_id].extend(o.token_ids)
+        return [outs[f"offline-{i}"] for i in range(len(prompts))]

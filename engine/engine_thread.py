@@ -1,0 +1,95 @@
+"""Runs an EngineCore in one background thread; callers talk to it through a thread-safe inbox.
+
+The thread blocks on the inbox when there is no work (no polling, no CPU burnt while idle). Outputs of a
+step are handed to `deliver` in one call, so an asyncio consumer is woken once per step, not per token.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import RequestOutput
+from engine.request import Request
+
+log = logging.getLogger("ember.engine")
+
+Deliver = Callable[[list[RequestOutput]], None]
+
+
+@dataclass(frozen=True)
+class _Submit:
+    reqs: list[Request]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+class EngineThread:
+    def __init__(self, config: EngineConfig, deliver: Deliver, on_fatal: Callable[[BaseException], None],
+                 on_bucket: Callable[[int, float], None] | None = None) -> None:
+        self.config, self._deliver, self._on_fatal, self._on_bucket = config, deliver, on_fatal, on_bucket
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Stop] = queue.SimpleQueue()
+        self.ready = threading.Event()
+        self.core: EngineCore | None = None
+        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, reqs: list[Request]) -> None:
+        self._inbox.put(_Submit(reqs))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._inbox.put(_Stop())
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self.core = EngineCore(self.config, self._on_bucket)
+            self.ready.set()
+            self._loop(self.core)
+        except BaseException as exc:  # the engine is dead: every waiter must hear about it
+            log.exception("engine thread failed")
+            self._on_fatal(exc)
+
+    def _handle(self, core: EngineCore, cmd: _Submit | _Abort | _Stop) -> bool:
+        if isinstance(cmd, _Stop):
+            return False
+        if isinstance(cmd, _Submit):
+            core.add(cmd.reqs)
+        else:
+            outs = core.abort(cmd.request_id)
+            if outs:
+                self._deliver(outs)
+        return True
+
+    def _loop(self, core: EngineCore) -> None:
+        while True:
+            if not core.has_work() and not self._handle(core, self._inbox.get()):  # idle: block
+                return
+            while True:  # drain everything that arrived during the last step
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if not self._handle(core, cmd):
+                    return
+            if core.has_work():
+                outs = core.step()
+                if outs:
+                    self._deliver(outs)

@@ -1,0 +1,167 @@
+"""The model's shape, read once from a transformers config: everything the engine needs to build and serve it."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PretrainedConfig
+
+# HF `architectures` value -> our architecture name. The order is the one error messages list.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# Configs built from a GGUF file carry no `architectures`, only `model_type`.
+_MODEL_TYPES: dict[str, str] = {arch: hf for hf, arch in SUPPORTED_ARCHITECTURES.items()}
+# Rope variants the engine implements; anything else would load and then silently compute wrong positions.
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is readable but describes a model the engine cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # HF-style scaling dict with a "rope_type" key ("linear" or "llama3") and that type's keys; None = plain rope.
+    rope_scaling: dict[str, Any] | None = field(hash=False)
+    # For a sliding-window model this is capped at the window: within it full attention is exact.
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections have a bias (always for qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before rope (qwen3)
+    eos_token_ids: tuple[int, ...]  # any of these ends a sequence; never empty for the supported models
+    bos_token_id: int | None
+    name: str  # the served model name: folder name or GGUF file stem
+    hf_config: PretrainedConfig | None = field(default=None, compare=False, repr=False, hash=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def model_config_from_hf(
+    cfg: PretrainedConfig, name: str, extra_eos_token_ids: Iterable[int] = ()
+) -> ModelConfig:
+    """Validate a transformers config and read it into a ModelConfig.
+
+    `extra_eos_token_ids` are merged after the config's own (from generation_config.json or GGUF metadata).
+    Raises UnsupportedModelError for architectures, activations or rope variants the engine does not run.
+    """
+    architecture = _architecture(cfg)
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
+    if getattr(cfg, "mlp_bias", False):
+        raise UnsupportedModelError("mlp_bias=True is not supported")
+    rope_theta, rope_scaling = _rope(cfg)
+    num_heads = int(cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=int(cfg.vocab_size),
+        hidden_size=int(cfg.hidden_size),
+        intermediate_size=int(cfg.intermediate_size),
+        num_layers=int(cfg.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=_max_positions(cfg),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        attention_bias=architecture == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+        qk_norm=architecture == "qwen3",
+        eos_token_ids=_unique_ids(_as_ids(getattr(cfg, "eos_token_id", None)) + tuple(extra_eos_token_ids)),
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        name=name,
+        hf_config=cfg,
+    )
+
+
+def _unsupported(value: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"unsupported model architecture {value!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _architecture(cfg: PretrainedConfig) -> str:
+    names = getattr(cfg, "architectures", None) or []
+    if not names:
+        model_type = getattr(cfg, "model_type", "") or "<none>"
+        if model_type not in _MODEL_TYPES:
+            raise _unsupported(model_type)
+        names = [_MODEL_TYPES[model_type]]
+    for hf_name in names:
+        if hf_name not in SUPPORTED_ARCHITECTURES:
+            raise _unsupported(hf_name)
+    if len({SUPPORTED_ARCHITECTURES[n] for n in names}) != 1:
+        raise UnsupportedModelError(f"config lists several architectures {names}; expected one")
+    return SUPPORTED_ARCHITECTURES[names[0]]
+
+
+def _rope(cfg: PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from transformers 5.x `rope_parameters` or the older `rope_theta` / `rope_scaling`."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params is not None:
+        scaling = dict(params)
+        if "rope_theta" not in scaling and any(isinstance(v, dict) for v in scaling.values()):
+            raise UnsupportedModelError(f"per-layer-type rope parameters are not supported: {params}")
+        theta = scaling.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    else:
+        theta = getattr(cfg, "rope_theta", 10000.0)
+        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
+    # Old configs spell the key "type"; normalise to "rope_type".
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def _max_positions(cfg: PretrainedConfig) -> int:
+    max_positions = int(cfg.max_position_embeddings)
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    # transformers 5.x marks windowed layers in layer_types; older qwen2 configs use a flag; mistral has neither.
+    if layer_types is not None:
+        windowed = "sliding_attention" in layer_types
+    else:
+        windowed = bool(getattr(cfg, "use_sliding_window", True))
+    if window and windowed and window < max_positions:
+        # The engine attends over the whole context; capping the context at the window keeps that exact.
+        return int(window)
+    return max_positions
+
+
+def _as_ids(value: int | Iterable[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _unique_ids(ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(ids))

@@ -1,0 +1,61 @@
+"""One sequence being generated: its tokens, sampling settings, place in the pools and timing."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import FinishReason, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.stop import StopChecker
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"  # admitted, prompt (or recompute) partly in the KV cache
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str  # the client's id; n > 1 choices share it
+    index: int  # choice number within the request
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # params.max_tokens, or what the context leaves
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    seed: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    req_row: int = 0  # 0 = none (row 0 is the padding row)
+    kv_len: int = 0  # tokens of `all_ids` whose K/V sit in the pool at req_to_token[req_row, :kv_len]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    # what the next RequestOutput carries (the engine drains these after each step)
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def rid(self) -> str:
+        return f"{self.request_id}/{self.index}"
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        """Tokens that must be in the KV cache before the next token can be sampled."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED

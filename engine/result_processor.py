@@ -1,0 +1,110 @@
+"""After a forward: sample the next tokens, append them, decide who finished, and stage their outputs.
+
+Stops are checked in this order: stop token ids / EOS (the token is not turned into text), stop strings (on
+the detokenized text, across token boundaries), then max_tokens and the context length (reason `length`).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.outputs import FinishReason, RequestOutput, TokenLogprob
+from engine.request import ReqStatus, Request
+from engine.sampler import SamplingBatch, sample
+
+
+class ResultProcessor:
+    def __init__(self, eos_token_ids: tuple[int, ...], vocab_size: int, max_context: int) -> None:
+        self.eos = frozenset(eos_token_ids)
+        self.vocab_size, self.max_context = vocab_size, max_context
+
+    def _banned(self, req: Request) -> tuple[int, ...]:
+        if len(req.output_ids) >= req.params.min_tokens:
+            return ()
+        eos = () if req.params.ignore_eos else tuple(self.eos)
+        return eos + tuple(req.params.stop_token_ids)
+
+    def sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        batch = SamplingBatch.build(
+            [r.params for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.prompt_ids for r in reqs],
+            [r.seed for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            self.vocab_size,
+            banned=[self._banned(r) for r in reqs],
+        )
+        result = sample(logits[:, : self.vocab_size], batch)
+        tokens = result.token_ids.tolist()
+        lps = result.logprobs.tolist() if result.logprobs is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        now = time.monotonic()
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
+            lp = None
+            if req.params.logprobs and lps is not None:
+                k = req.params.top_logprobs
+                top = tuple(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids and top_lps else ()
+                lp = TokenLogprob(token, lps[i], top)
+            self._append(req, token, lp, now)
+
+    def _append(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
+        req.output_ids.append(token)
+        req.pending_ids.append(token)
+        if lp is not None:
+            req.pending_logprobs.append(lp)
+        req.first_token_at = req.first_token_at or now
+        p = req.params
+        if token in p.stop_token_ids:
+            self.finish(req, "stop", token)
+            return
+        if token in self.eos and not p.ignore_eos:
+            self.finish(req, "stop")
+            return
+        text, hit = req.stop.feed(req.detok.push([token]))
+        req.pending_text += text
+        if hit is not None:
+            self.finish(req, "stop", hit, flush=False)
+        elif len(req.output_ids) >= req.max_new_tokens or req.fill_len >= self.max_context:
+            self.finish(req, "length")
+
+    def finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None,
+               flush: bool = True) -> None:
+        """Mark finished; release any text held back for a partial character or a possible stop string."""
+        if flush:
+            text, hit = req.stop.feed(req.detok.flush())
+            req.pending_text += text
+            if hit is None:
+                req.pending_text += req.stop.flush()
+            elif reason == "length":
+                reason, stop_reason = "stop", hit
+        req.status, req.finish_reason, req.stop_reason = ReqStatus.FINISHED, reason, stop_reason
+        req.finished_at = time.monotonic()
+
+
+def take_output(req: Request) -> RequestOutput | None:
+    """The request's staged output since the last call, or None when it has nothing new."""
+    if not (req.pending_ids or req.pending_text or req.finished):
+        return None
+    metrics: dict[str, float] = {}
+    if req.finished and req.finished_at is not None:
+        metrics["e2e"] = req.finished_at - req.arrival
+        if req.first_token_at is not None:
+            metrics["ttft"] = req.first_token_at - req.arrival
+        if req.admitted_at is not None:
+            metrics["queue"] = req.admitted_at - req.arrival
+    out = RequestOutput(
+        request_id=req.request_id,
+        index=req.index,
+        token_ids=tuple(req.pending_ids),
+        text=req.pending_text,
+        logprobs=tuple(req.pending_logprobs) if req.params.logprobs else None,
+        finish_reason=req.finish_reason,
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=len(req.output_ids),
+        stop_reason=req.stop_reason,
+        metrics=metrics,
+    )
+    req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []
+    return out

@@ -1,0 +1,196 @@
+"""Continuous batching: admit within the KV budget, chunked prefill, decode, retract when the pool runs dry.
+
+Each `step()` runs one forward: a prefill (extend) batch or the running decode batch. When both have work
+they alternate, so a long prompt being prefilled in chunks never stalls the decode batch for its whole length.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model_runner import ExtendChunk, ModelRunner
+from engine.request import ReqStatus, Request
+from engine.result_processor import ResultProcessor
+
+# SGLang's idea: reserve KV for the tokens running requests will still generate, scaled by a ratio that
+# decays while decoding goes well and jumps back up when the pool runs dry and requests are retracted.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+@dataclass
+class SchedulerStats:
+    retractions: int = 0
+    aborted: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, results: ResultProcessor, config: EngineConfig) -> None:
+        self.runner, self.results, self.config = runner, results, config
+        self.kv, self.req_pool = runner.kv_pool, runner.req_pool
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted; prompt (or recompute) partly in the cache
+        self.running: list[Request] = []  # decode batch, in admission order
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.stats = SchedulerStats()
+        self._last_was_prefill = False
+
+    # ---- queue management -------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def abort(self, request_id: str) -> list[Request]:
+        """Finish every choice of `request_id` with reason abort, freeing its KV now."""
+        hit = [r for r in (*self.waiting, *self.prefilling, *self.running) if r.request_id == request_id]
+        for req in hit:
+            self._remove(req)
+            self._release(req)
+            self.results.finish(req, "abort")
+            self.stats.aborted += 1
+        return hit
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one forward; return the requests that have new output (finished ones included)."""
+        want_prefill = bool(self.waiting or self.prefilling)
+        if want_prefill and (not self.running or not self._last_was_prefill):
+            touched = self._prefill_step()
+            if touched is not None:
+                self._last_was_prefill = True
+                return touched
+        self._last_was_prefill = False
+        return self._decode_step() if self.running else []
+
+    def _reserved(self) -> float:
+        """KV slots promised to admitted requests beyond what they hold now."""
+        total = 0.0
+        for r in (*self.prefilling, *self.running):
+            left = min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
+            total += left * self.new_token_ratio + (r.fill_len - r.kv_len if r in self.prefilling else 0)
+        return total
+
+    def _admit(self) -> None:
+        """Move requests from the head of the queue into `prefilling` while their KV fits (FCFS, no skipping)."""
+        while self.waiting and len(self.prefilling) + len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            need = req.fill_len + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+            # Nothing running means nothing will free up: admit anything that fits the pool at all.
+            alone = not (self.prefilling or self.running)
+            if not alone and self.kv.available_size() - self._reserved() < need:
+                return
+            if self.kv.available_size() < req.fill_len:
+                return
+            row = self.req_pool.allocate()
+            if row is None:
+                return
+            self.waiting.popleft()
+            req.req_row, req.kv_len, req.status = row, 0, ReqStatus.PREFILLING
+            req.admitted_at = req.admitted_at or time.monotonic()
+            self.prefilling.append(req)
+
+    def _prefill_step(self) -> list[Request] | None:
+        self._admit()
+        budget = self.config.chunked_prefill_size
+        chunks: list[ExtendChunk] = []
+        members: list[Request] = []
+        for req in self.prefilling:
+            take = min(budget, req.fill_len - req.kv_len)
+            if take <= 0:
+                break
+            slots = self.kv.allocate(take)
+            if slots is None:
+                break
+            chunks.append(ExtendChunk(req.req_row, req.kv_len, req.all_ids[req.kv_len : req.kv_len + take], slots))
+            members.append(req)
+            budget -= take
+        if not chunks:
+            return None
+        logits = self.runner.extend(chunks)
+        self.stats.prefill_steps += 1
+        done_idx = []
+        for i, (req, chunk) in enumerate(zip(members, chunks)):
+            req.kv_len += len(chunk.token_ids)
+            self.stats.prompt_tokens += len(chunk.token_ids)
+            if req.kv_len == req.fill_len:
+                done_idx.append(i)
+        done = [members[i] for i in done_idx]
+        if done:
+            self.results.sample_and_append(done, logits[done_idx])
+            for req in done:
+                self.prefilling.remove(req)
+                if req.finished:
+                    self._release(req)
+                else:
+                    req.status = ReqStatus.RUNNING
+                    self.running.append(req)
+        self.stats.generation_tokens += len(done)
+        return members
+
+    def _decode_step(self) -> list[Request]:
+        touched: list[Request] = []
+        while self.kv.available_size() < len(self.running):
+            if self.prefilling:  # half-prefilled requests give their slots back first
+                touched.append(self._retract(self.prefilling[-1]))
+                continue
+            if len(self.running) == 1:  # alone and the pool is full: it can never continue
+                req = self.running.pop()
+                self._release(req)
+                self.results.finish(req, "length")
+                return [req]
+            touched.append(self._retract(self.running[-1]))
+        batch = self.running
+        slots = self.kv.allocate(len(batch))
+        assert slots is not None  # ensured by the loop above
+        rows = torch.tensor([r.req_row for r in batch], dtype=torch.int64)
+        positions = torch.tensor([r.fill_len - 1 for r in batch], dtype=torch.int64)
+        ids = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64)
+        logits = self.runner.decode(rows, positions, ids, slots)
+        self.stats.decode_steps += 1
+        self.stats.generation_tokens += len(batch)
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        for req in batch:
+            req.kv_len += 1
+        self.results.sample_and_append(batch, logits)
+        self.running = [r for r in batch if not r.finished]
+        for req in batch:
+            if req.finished:
+                self._release(req)
+        return touched + batch
+
+    # ---- KV bookkeeping -------------------------------------------------------------------------------
+    def _retract(self, req: Request) -> Request:
+        """Free the newest request's KV and requeue it at the head; it is recomputed from its tokens later."""
+        self._remove(req)
+        self._release(req)
+        req.status = ReqStatus.WAITING
+        self.waiting.appendleft(req)
+        self.stats.retractions += 1
+        self.new_token_ratio = max(self.new_token_ratio, 0.9)
+        return req
+
+    def _remove(self, req: Request) -> None:
+        for queue in (self.prefilling, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def _release(self, req: Request) -> None:
+        """Give back the request's KV slots and row (idempotent: a released request holds row 0)."""
+        if req.req_row:
+            self.kv.free(self.req_pool.table[req.req_row, : req.kv_len].to(torch.int64))
+            self.req_pool.free(req.req_row)
+        req.req_row, req.kv_len = 0, 0

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random HF model folders, and the real SmolLM2 GGUF with its transformers oracle."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tiny_models import write_tiny_model
+
+MakeTinyModel = Callable[..., Path]
+SmolLM2Oracle = tuple[PreTrainedModel, PreTrainedTokenizerBase, Path]
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> MakeTinyModel:
+    """`make_tiny_model(arch, **overrides) -> Path`: a tiny random HF folder (safetensors, tokenizer with a
+    ChatML template, generation_config.json).
+
+    arch: llama | llama3 (llama with llama3 rope scaling) | mistral | qwen2 | qwen3. 2 layers, hidden 64,
+    4 heads of 16, 2 KV heads, vocab 320, fp32, seed 0. Overrides are config kwargs (e.g.
+    tie_word_embeddings=True), plus `seed` and `max_shard_size` (e.g. "100KB" for a sharded folder).
+    Folders are built once per session per argument set: treat them as read-only.
+    """
+    built: dict[str, Path] = {}
+
+    def make(arch: str, **overrides: Any) -> Path:
+        key = f"{arch}-" + "-".join(f"{k}={overrides[k]!r}" for k in sorted(overrides))
+        if key not in built:
+            folder = tmp_path_factory.mktemp(arch) / arch
+            built[key] = write_tiny_model(folder, arch, **overrides)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_fp32() -> SmolLM2Oracle:
+    """(transformers model, tokenizer, gguf path) for the embedded SmolLM2-135M-Instruct, dequantized to fp32.
+
+    The model is the oracle: transformers' own GGUF conversion (load_gguf_checkpoint, the code
+    `from_pretrained(dir, gguf_file=..., quantization_config=GgufConfig(dequantize=True))` runs) loaded into a
+    plain LlamaForCausalLM. We call it directly because from_pretrained insists on `accelerate` for any GGUF;
+    the tensors are identical (checked with accelerate installed aside). The tokenizer is our
+    engine.loader.load_tokenizer, loaded once here because it takes seconds.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from engine.loader import default_model_path, load_tokenizer
+
+    path = Path(default_model_path())
+    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    # Tied embeddings: lm_head is the embedding Parameter itself, absent from the file.
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.eval()
+    return model, load_tokenizer(str(path)), path

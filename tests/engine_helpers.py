@@ -1,0 +1,63 @@
+"""Drive a ModelRunner by hand (no scheduler) and compare it with transformers, for the engine-core tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from engine.config import EngineConfig
+from engine.loader import open_checkpoint
+from engine.model_runner import ExtendChunk, ModelRunner
+
+
+def make_runner(model_dir: Path, *, compile: bool, buckets: tuple[int, ...] = (1, 2, 4), max_running: int = 4,
+                dtype: str = "float32", max_total_tokens: int = 4096) -> ModelRunner:
+    config = EngineConfig(model=str(model_dir), dtype=dtype, max_total_tokens=max_total_tokens,
+                          max_running_requests=max_running, decode_buckets=buckets, disable_compile=not compile)
+    return ModelRunner(config, open_checkpoint(str(model_dir)))
+
+
+def hf_model(model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class ManualBatch:
+    """Prefill some prompts, then decode them together; records every step's logits."""
+
+    def __init__(self, runner: ModelRunner, prompts: list[list[int]]) -> None:
+        self.runner = runner
+        self.rows: list[int] = []
+        chunks = []
+        for p in prompts:
+            row = runner.req_pool.allocate()
+            slots = runner.kv_pool.allocate(len(p))
+            assert row is not None and slots is not None
+            self.rows.append(row)
+            chunks.append(ExtendChunk(row, 0, p, slots))
+        self.prefill_logits = runner.extend(chunks)
+        self.seqs = [p + [int(t)] for p, t in zip(prompts, self.prefill_logits.argmax(-1))]
+        self.step_logits: list[torch.Tensor] = []
+
+    def decode(self, steps: int) -> list[list[int]]:
+        rows = torch.tensor(self.rows, dtype=torch.int64)
+        for _ in range(steps):
+            slots = self.runner.kv_pool.allocate(len(self.rows))
+            assert slots is not None
+            positions = torch.tensor([len(s) - 1 for s in self.seqs], dtype=torch.int64)
+            ids = torch.tensor([s[-1] for s in self.seqs], dtype=torch.int64)
+            logits = self.runner.decode(rows, positions, ids, slots)
+            self.step_logits.append(logits)
+            self.seqs = [s + [int(t)] for s, t in zip(self.seqs, logits.argmax(-1))]
+        return self.seqs
+
+    def release(self) -> None:
+        for row, seq in zip(self.rows, self.seqs):
+            # the last sampled token was never fed back, so its K/V is not in the pool
+            self.runner.kv_pool.free(self.runner.req_pool.table[row, : len(seq) - 1].to(torch.int64))
+            self.runner.req_pool.free(row)
