@@ -134,15 +134,19 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "bench-engine":
-        from server.bench_engine import run_bench
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "bench-engine":
+            from server.bench_engine import run_bench
 
-        return run_bench(args)
-    if run_serve is None:
-        parser.error("the HTTP server is not available in this build")
-    return run_serve(args)
+            return run_bench(args)
+        if run_serve is None:
+            parser.error("the HTTP server is not available in this build")
+        return run_serve(args)
+    except (FileNotFoundError, ValueError, MemoryError) as exc:  # bad model path, unsupported model, sizing
+        print(f"ember: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
