@@ -1,0 +1,92 @@
+"""The FastAPI application: routers, error handlers, auth, body limit, and a lifespan that owns the engine.
+
+The engine starts loading (and compiling) in the background when the lifespan starts, so the server listens
+at once and /health says 503 until the engine is ready; a failed load asks the server to exit with code 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+
+from engine.client import EngineClient
+from engine.config import EngineConfig
+from server import routes_native, routes_openai, routes_ops
+from server.auth import require_api_key
+from server.errors import install_error_handlers
+from server.limits import BodySizeLimitMiddleware
+from server.metrics import ServerMetrics
+from server.settings import ServerSettings
+from server.state import ServerState
+
+log = logging.getLogger("ember.server")
+ExitHook = Callable[[int], None]
+
+
+@asynccontextmanager
+async def engine_lifetime(config: EngineConfig) -> AsyncIterator[EngineClient]:
+    """The engine client from start (loading in its thread) to a stopped engine thread."""
+    engine = EngineClient(config)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        # A still-loading engine thread (a daemon) cannot stop mid-compile: don't wait for it at exit.
+        await asyncio.to_thread(engine.shutdown, 10.0 if engine.ready else 0.0)
+
+
+async def _wait_ready(engine: EngineClient) -> None:
+    """Until the engine is ready or failed. Not `EngineClient.wait_ready()`: that parks a default-executor
+    thread on a threading.Event, and asyncio.run joins that thread at exit, so a SIGTERM during a long
+    compile would wait for the whole compile. A 10 Hz check during start-up only costs nothing."""
+    while not engine.ready and engine.error is None:
+        await asyncio.sleep(0.1)
+
+
+async def _announce_ready(state: ServerState, on_exit: ExitHook) -> None:
+    await _wait_ready(state.engine)
+    if state.engine.error is not None:
+        log.error("the engine failed to start: %s", state.engine.error)
+        on_exit(1)
+        return
+    core = state.core
+    log.info("ready: serving %s (max context %d, KV pool %d tokens, max %d running requests)", state.model_name,
+             core.max_context, core.runner.kv_pool.num_slots, state.engine.config.max_running_requests)
+
+
+def create_app(config: EngineConfig, settings: ServerSettings, on_exit: ExitHook | None = None) -> FastAPI:
+    """`on_exit(code)` is how the app asks its server to stop (engine failure, end of a drain)."""
+    exit_hook: ExitHook = on_exit or (lambda code: None)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with engine_lifetime(config) as engine:
+            state = ServerState(engine, settings, ServerMetrics(lambda: engine.core if engine.ready else None))
+            app.state.server = state
+            ready_task = asyncio.create_task(_announce_ready(state, exit_hook))
+            try:
+                yield
+            finally:
+                ready_task.cancel()
+                state.shutdown()
+
+    app = FastAPI(title="Ember", lifespan=lifespan, dependencies=[Depends(require_api_key)],
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.include_router(routes_ops.router)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_native.router)
+    return app
+
+
+def start_drain(app: FastAPI, on_done: Callable[[], None]) -> asyncio.Task[None] | None:
+    """SIGTERM: begin a graceful drain (see ServerState.drain); None when the app has not started yet."""
+    state: ServerState | None = getattr(app.state, "server", None)
+    if state is None:
+        return None
+    return asyncio.create_task(state.drain(state.settings.shutdown_grace_seconds, on_done))

@@ -1,0 +1,117 @@
+"""Prometheus metrics, prefix `ember:`, in a registry of our own (never the process-global default one).
+
+Two sources: gauges and engine counters are read from the engine at scrape time by `EngineCollector` (no
+bookkeeping can drift from the truth); latency histograms and per-request counters are fed by the server from
+the outputs it receives (`observe_output`, `observe_finished`).
+
+Reading the engine's counters from the event loop while the engine thread updates them is safe for what we
+read: `len()` of lists and deques, ints, and dicts whose keys are fixed at start-up.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.core import EngineCore
+from engine.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                    80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 32768)
+
+
+class EngineCollector(Collector):
+    """Engine state at scrape time; yields nothing until the engine is ready."""
+
+    def __init__(self, core: Callable[[], EngineCore | None]) -> None:
+        self._core = core
+
+    def describe(self) -> list[Metric]:
+        return []  # registering must not trigger a collect before the engine exists
+
+    def collect(self) -> Iterator[Metric]:
+        core = self._core()
+        if core is None:
+            return
+        sched, kv, graphs = core.scheduler, core.runner.kv_pool, core.runner.graphs
+        stats = sched.stats
+        yield _gauge("ember:num_requests_running", "Requests in the batch (prefilling or decoding).",
+                     len(sched.running) + len(sched.prefilling))
+        yield _gauge("ember:num_requests_waiting", "Requests queued for admission.", len(sched.waiting))
+        used = kv.used_size()
+        yield _gauge("ember:kv_pool_usage_perc", "Fraction of KV pool slots in use (0-1).", used / max(kv.num_slots, 1))
+        yield _gauge("ember:kv_pool_used_slots", "KV pool slots (tokens) in use.", used)
+        yield _gauge("ember:kv_pool_total_slots", "KV pool size in slots (tokens).", kv.num_slots)
+        yield _counter("ember:prompt_tokens", "Prompt tokens prefilled (recomputation after retraction included).",
+                       stats.prompt_tokens)
+        yield _counter("ember:generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield _counter("ember:num_aborted_requests", "Sequences aborted (client gone, shutdown).", stats.aborted)
+        yield _counter("ember:num_retractions", "Sequences retracted from the batch when the KV pool ran dry.",
+                       stats.retractions)
+        yield _counter("ember:prefill_steps", "Prefill (extend) forwards.", stats.prefill_steps)
+        steps = CounterMetricFamily("ember:decode_steps", "Decode steps run per batch-size bucket.", labels=["bucket"])
+        for bucket, n in sorted(dict(graphs.steps_per_bucket).items()):
+            steps.add_metric([str(bucket)], n)
+        yield steps
+        compile_s = GaugeMetricFamily("ember:compile_seconds", "Seconds spent compiling (or warming) each decode "
+                                      "bucket at start-up.", labels=["bucket"])
+        for bucket, secs in sorted(dict(graphs.compile_seconds).items()):
+            compile_s.add_metric([str(bucket)], secs)
+        yield compile_s
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, core: Callable[[], EngineCore | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(core))
+        r = self.registry
+        self.finished = Counter("ember:request_success", "Finished sequences by finish reason.", ["finish_reason"],
+                                registry=r)
+        self.ttft = Histogram("ember:time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("ember:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("ember:e2e_request_latency_seconds", "Arrival to last token.", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.queue = Histogram("ember:request_queue_time_seconds", "Arrival to admission into the batch.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_len = Histogram("ember:request_prompt_tokens", "Prompt length per request.",
+                                    buckets=_TOKEN_BUCKETS, registry=r)
+        self.output_len = Histogram("ember:request_generation_tokens", "Generated tokens per sequence.",
+                                    buckets=_TOKEN_BUCKETS, registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(reason)  # export zeros from the start, so rates work from the first scrape
+
+    def observe_gap(self, seconds: float, tokens: int) -> None:
+        """One output of `tokens` new tokens arrived `seconds` after the previous output of the same sequence."""
+        for _ in range(tokens):
+            self.itl.observe(seconds / tokens)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """The last output of one sequence (choice)."""
+        self.finished.labels(out.finish_reason or "abort").inc()
+        self.output_len.observe(out.completion_tokens)
+        for key, hist in (("ttft", self.ttft), ("e2e", self.e2e), ("queue", self.queue)):
+            if key in out.metrics:
+                hist.observe(out.metrics[key])
+
+    def observe_abandoned(self, sequences: int) -> None:
+        """Sequences whose client left before they finished (their final output is never delivered to us)."""
+        self.finished.labels("abort").inc(sequences)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,113 @@
+"""The SSE bodies of streaming /v1/completions and /v1/chat/completions.
+
+Chat: one role chunk per choice first, then content deltas as the engine produces them, then one chunk per
+choice with its finish_reason, then (with stream_options.include_usage) a usage chunk with no choices, then
+`data: [DONE]`. An error after the 200 has been sent becomes an error event followed by [DONE].
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from server.generation import TaggedOutputs
+from server.openai_format import CompletionLogprobsBuilder, TokenStrings, chat_logprobs, usage
+from server.protocol import (
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+)
+from server.sse import DONE, error_event, event
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    request_id: str
+    model: str
+    n: int  # choices per prompt
+    prompt_tokens: int  # summed over prompts
+    include_usage: bool
+    logprobs: bool
+    created: int = field(default_factory=lambda: int(time.time()))  # the same on every chunk of a stream
+
+
+async def _with_usage(spec: StreamSpec, body: AsyncGenerator[str, None], completion_tokens: Callable[[], int],
+                      chunk: Callable[[], ChatCompletionChunk | CompletionChunk]) -> AsyncGenerator[str, None]:
+    try:
+        async with aclosing(body) as texts:  # closing the stream closes the engine iterators inside it
+            async for text in texts:
+                yield text
+        if spec.include_usage:
+            last = chunk()
+            last.usage = usage(spec.prompt_tokens, completion_tokens())
+            yield event(last)
+    except Exception as exc:  # the 200 is out: all we can do is tell the client in-band
+        yield error_event(exc)
+    yield DONE
+
+
+def chat_events(spec: StreamSpec, outputs: TaggedOutputs,
+                strings: TokenStrings) -> AsyncGenerator[str, None]:
+    done_tokens: dict[int, int] = {}
+
+    def chunk(*choices: ChatStreamChoice) -> ChatCompletionChunk:
+        # Every field passed explicitly: events are serialized with exclude_unset (see server/sse.py).
+        c = ChatCompletionChunk(id=spec.request_id, object="chat.completion.chunk", created=spec.created,
+                                model=spec.model, choices=list(choices))
+        if spec.include_usage:
+            c.usage = None  # OpenAI sends "usage": null on every chunk but the last when usage is asked for
+        return c
+
+    async def body() -> AsyncGenerator[str, None]:
+        for i in range(spec.n):
+            yield event(chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""),
+                                               logprobs=None, finish_reason=None)))
+        async with aclosing(outputs) as outs:
+            async for _, out in outs:
+                lps = ChatLogprobs(content=chat_logprobs(strings, out.logprobs or ())) if spec.logprobs else None
+                if out.text or (lps is not None and lps.content):
+                    yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(content=out.text), logprobs=lps,
+                                                       finish_reason=None)))
+                if out.finish_reason is not None:
+                    done_tokens[out.index] = out.completion_tokens
+                    yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(), logprobs=None,
+                                                       finish_reason=out.finish_reason, stop_reason=out.stop_reason)))
+
+    return _with_usage(spec, body(), lambda: sum(done_tokens.values()), chunk)
+
+
+def completion_events(spec: StreamSpec, outputs: TaggedOutputs,
+                      strings: TokenStrings, echo: list[tuple[str, list[int]]] | None) -> AsyncGenerator[str, None]:
+    """`echo`, when set, holds each prompt's (text, ids): sent ahead of the choice's first output."""
+    done_tokens: dict[int, int] = {}
+    builders: dict[int, CompletionLogprobsBuilder] = {}
+    started: set[int] = set()
+
+    def chunk(*choices: CompletionChoice) -> CompletionChunk:
+        c = CompletionChunk(id=spec.request_id, object="text_completion", created=spec.created, model=spec.model,
+                            choices=list(choices))
+        if spec.include_usage:
+            c.usage = None
+        return c
+
+    async def body() -> AsyncGenerator[str, None]:
+        async with aclosing(outputs) as outs:
+            async for prompt_idx, out in outs:
+                index = prompt_idx * spec.n + out.index
+                builder = builders.setdefault(index, CompletionLogprobsBuilder(strings))
+                text, echoed = out.text, list[int]()
+                if echo is not None and index not in started:
+                    prompt_text, echoed = echo[prompt_idx]
+                    text = prompt_text + text
+                lps = builder.add(out.logprobs or (), echoed) if spec.logprobs else None
+                started.add(index)
+                if out.finish_reason is not None:
+                    done_tokens[index] = out.completion_tokens
+                yield event(chunk(CompletionChoice(index=index, text=text, logprobs=lps,
+                                                   finish_reason=out.finish_reason, stop_reason=out.stop_reason)))
+
+    return _with_usage(spec, body(), lambda: sum(done_tokens.values()), chunk)

@@ -1,0 +1,101 @@
+"""From API requests to engine inputs: prompt token ids (tokenized off the event loop) and SamplingParams."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TypeVar
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from engine.sampling_params import SamplingParams
+from server.errors import APIError
+from server.protocol import ChatMessage, SamplingFields
+from server.state import ServerState
+
+T = TypeVar("T")
+
+
+async def in_tokenizer_thread(state: ServerState, fn: Callable[..., T], *args: object) -> T:
+    """Run tokenizer work on the tokenizer thread: a 100k-character prompt must not stall every stream."""
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, partial(fn, *args))
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template expects them: text parts joined, `developer` read as `system`."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
+                add_generation_prompt: bool) -> list[int]:
+    if not tokenizer.chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except TemplateError as exc:  # e.g. "roles must alternate user/assistant"
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+    # The template already holds any BOS token; adding special tokens again would double it.
+    return encode(tokenizer, str(text), add_special_tokens=False)
+
+
+def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's four prompt forms as a list of prompts, each text or token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    token_ids = [p for p in prompt if isinstance(p, int)]
+    if token_ids:  # one prompt as token ids (the model guarantees the list is not mixed)
+        return [token_ids]
+    return [p if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    if not raw:
+        return {}
+    try:
+        return {int(k): float(v) for k, v in raw.items()}
+    except ValueError as exc:
+        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from exc
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                    max_n: int) -> SamplingParams:
+    """Raises APIError for n over the limit and SamplingParamsError (-> 400 with its param) for bad ranges."""
+    n = _or(req.n, 1)
+    if n > max_n:
+        raise APIError(400, f"n must be at most {max_n} (--max-n)", param="n")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_or(req.temperature, 1.0),
+        top_p=_or(req.top_p, 1.0),
+        top_k=_or(req.top_k, -1),
+        min_p=_or(req.min_p, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        logit_bias=_logit_bias(req.logit_bias),
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        min_tokens=_or(req.min_tokens, 0),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=n,
+        skip_special_tokens=req.skip_special_tokens,
+    )

@@ -1,0 +1,117 @@
+"""Operations endpoints: GET /health, /health_generate, /get_server_info, /v1/models, /v1/models/{id}, /metrics.
+
+/health and /metrics never touch the engine thread's locks or the tokenizer: they must answer in well under
+100 ms while a decode batch runs, and before the engine has finished loading.
+"""
+from __future__ import annotations
+
+import asyncio
+import platform
+import uuid
+from contextlib import aclosing
+from importlib import metadata
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.sampling_params import SamplingParams
+from server.deps import get_state
+from server.errors import APIError, error_response
+from server.generation import engine_outputs
+from server.metrics import CONTENT_TYPE
+from server.protocol import ModelCard, ModelList
+from server.state import ServerState
+
+router = APIRouter()
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    if state.draining:
+        return error_response(503, "the server is shutting down", code="draining")
+    if not state.engine.ready:
+        failed = state.engine.error is not None
+        return error_response(503, "the engine has failed (see the server log)" if failed
+                              else "the engine is still loading", code="engine_failed" if failed else "loading")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Generate one token through the real engine: proves the engine thread is alive and stepping."""
+    state = get_state(request)
+    if state.draining:
+        return error_response(503, "the server is shutting down", code="draining")
+    token = state.core.model_config.bos_token_id or 0
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def one_token() -> None:
+        async with aclosing(engine_outputs(state, f"health-{uuid.uuid4().hex}", [token], params)) as outs:
+            async for _ in outs:
+                pass
+
+    try:
+        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        return error_response(503, f"no token within {HEALTH_GENERATE_TIMEOUT_S:.0f} s", code="engine_stalled")
+    return JSONResponse({"status": "ok"})
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@router.get("/get_server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    core, cfg, settings = state.core, state.engine.config, state.settings
+    graphs = core.runner.graphs
+    return {
+        "model": state.model_name,
+        "model_path": cfg.model,
+        "architecture": core.model_config.architecture,
+        "dtype": cfg.dtype,
+        "max_context_len": core.max_context,
+        "kv_pool_slots": core.runner.kv_pool.num_slots,
+        "max_running_requests": cfg.max_running_requests,
+        "max_queued_requests": cfg.max_queued_requests,
+        "chunked_prefill_size": cfg.chunked_prefill_size,
+        "decode_buckets": list(graphs.buckets),
+        "compiled": graphs.compiled,
+        "compile_seconds": {str(b): round(s, 3) for b, s in graphs.compile_seconds.items()},
+        "max_n": settings.max_n,
+        "max_request_bytes": settings.max_request_bytes,
+        "auth": settings.api_key is not None,
+        "versions": {"ember": _version("ember"), "torch": _version("torch"),
+                     "transformers": _version("transformers"), "python": platform.python_version()},
+    }
+
+
+def _card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, created=int(state.started_at), root=state.engine.config.model,
+                     max_model_len=state.core.max_context)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_card(get_state(request))])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> ModelCard:
+    state = get_state(request)
+    if model_id != state.model_name:
+        raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+    return _card(state)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,121 @@
+"""`ember serve`: the HTTP server's flags and its uvicorn run, with a graceful SIGTERM drain.
+
+uvicorn's own SIGTERM handling closes the listening socket at once (new clients get "connection refused",
+not a 503) and re-raises the signal after shutdown (exit status -15). We take the first SIGTERM / SIGINT
+ourselves: /health and new requests answer 503 while running requests finish (up to the grace period, then
+they are aborted with finish reason `abort`), and the process exits 0. A second signal exits at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from server.settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
+
+log = logging.getLogger("ember.server")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=env("EMBER_HOST", "127.0.0.1"), help="bind address (default: %(default)s)")
+    g.add_argument("--port", type=int, default=int(env("EMBER_PORT", "8000")), help="port (default: %(default)s)")
+    g.add_argument("--api-key", default=env("EMBER_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                        "(env EMBER_API_KEY)")
+    g.add_argument("--served-model-name", default=env("EMBER_SERVED_MODEL_NAME"),
+                   help="the model id clients use (default: the model folder name or GGUF file stem)")
+    g.add_argument("--max-request-bytes", type=int,
+                   default=int(env("EMBER_MAX_REQUEST_BYTES", str(DEFAULT_MAX_REQUEST_BYTES))),
+                   help="largest request body; larger ones get 413 (default: %(default)s)")
+    g.add_argument("--max-n", type=int, default=int(env("EMBER_MAX_N", "16")),
+                   help="most choices (n) per request (default: %(default)s)")
+    g.add_argument("--shutdown-grace-seconds", type=float, default=float(env("EMBER_SHUTDOWN_GRACE_SECONDS", "30")),
+                   help="on SIGTERM, how long running requests may finish before they are aborted "
+                        "(default: %(default)s)")
+    g.add_argument("--log-level", default=env("EMBER_LOG_LEVEL", "info"),
+                   choices=["critical", "error", "warning", "info", "debug"], help="(default: %(default)s)")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+                          max_n=args.max_n, shutdown_grace_seconds=args.shutdown_grace_seconds,
+                          log_level=args.log_level)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app = app
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+        self._signalled = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def stop(self, code: int) -> None:
+        """Ask the server to exit with `code` (event-loop thread only)."""
+        self.exit_code = max(self.exit_code, code)
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs as a Python signal handler on the main (event loop) thread, between two bytecodes: do nothing
+        # here but hand the work to the loop. Not recorded in _captured_signals, so uvicorn does not re-raise.
+        if self._signalled or self._loop is None:
+            log.warning("second signal: exiting now")
+            self.exit_code, self.should_exit, self.force_exit = 1, True, True
+            return
+        self._signalled = True
+        self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        from server.app import start_drain
+
+        self._drain = start_drain(self.app, lambda: self.stop(0))
+        if self._drain is None:  # not started yet: nothing to drain
+            self.stop(0)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from server.app import create_app
+    from server.cli import engine_config_from_args
+
+    logging.getLogger().setLevel(args.log_level.upper())
+    settings = settings_from_args(args)
+    config = engine_config_from_args(args)
+    server: DrainingServer | None = None
+
+    def on_exit(code: int) -> None:
+        if server is not None:
+            server.stop(code)
+
+    app = create_app(config, settings, on_exit)
+    uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                               log_config=None, access_log=False, timeout_graceful_shutdown=5,
+                               timeout_keep_alive=5)
+    server = DrainingServer(uv_config, app)
+    log.info("listening on http://%s:%d (the engine loads in the background; /health is 503 until ready)",
+             settings.host, settings.port)
+    server.run()
+    code = server.exit_code if server.started else 1
+    engine = getattr(getattr(app.state, "server", None), "engine", None)
+    if engine is not None and not engine.ready and engine.error is None:
+        # Stopped while the engine thread is still loading or compiling: it cannot be interrupted, and letting
+        # the interpreter finalize under it aborts the process (C++ threads torn down mid-compile). Leave now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
