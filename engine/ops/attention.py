@@ -10,12 +10,17 @@ Both ops first write this step's K/V into `out_slots`, then attend, so a token s
 """
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger("ember.ops")
 
-@torch.library.custom_op("ember::decode_attention", mutates_args=("k_cache", "v_cache"))
-def decode_attention(
+
+def reference_decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k: torch.Tensor,  # [B, KVH, D]
     v: torch.Tensor,  # [B, KVH, D]
@@ -43,6 +48,30 @@ def decode_attention(
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [B, KVH, G, D]
     return out.reshape(bsz, heads, dim)
+
+
+def _load_native_decode_attention() -> bool:
+    """Build (first time, ~1 min, cached under TORCH_EXTENSIONS_DIR) and load the C++ decode attention.
+
+    EMBER_NATIVE_OPS=0 forces the Python reference. A machine without a C++ toolchain falls back to it too.
+    """
+    if os.environ.get("EMBER_NATIVE_OPS", "1") == "0":
+        return False
+    from torch.utils.cpp_extension import load
+
+    src = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+    try:
+        load(name="ember_decode_attention", sources=[str(src)], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
+        log.warning("C++ decode attention unavailable, using the Python reference: %s", exc)
+        return False
+    return True
+
+
+NATIVE_DECODE_ATTENTION = _load_native_decode_attention()
+if not NATIVE_DECODE_ATTENTION:
+    torch.library.custom_op("ember::decode_attention", mutates_args=("k_cache", "v_cache"))(reference_decode_attention)
 
 
 @torch.library.custom_op("ember::extend_attention", mutates_args=("k_cache", "v_cache"))

@@ -1,0 +1,144 @@
+"""Drive an EngineCore step by step: requests arrive at chosen step numbers, aborts happen at chosen steps, and
+every choice's stream of outputs is collected and checked for well-formedness as it arrives.
+
+Arrival times are step numbers, not wall-clock times, so a workload is deterministic and never sleeps.
+After every step the pool accounting is checked against the scheduler's queues (see `check_accounting`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+def tiny_engine(folder: Path, **overrides: Any) -> EngineCore:
+    """An fp32 eager engine over a tiny model: small chunks so 20-60 token prompts are prefilled in pieces."""
+    settings: dict[str, Any] = dict(
+        model=str(folder), dtype="float32", max_total_tokens=4096, max_running_requests=8,
+        decode_buckets=(1, 2, 4, 8), disable_compile=True, chunked_prefill_size=16, num_threads=1,
+    )
+    settings.update(overrides)
+    return EngineCore(EngineConfig(**settings))
+
+
+@dataclass
+class Stream:
+    """Everything one choice (request id, index) streamed, concatenated."""
+
+    token_ids: list[int] = field(default_factory=list)
+    deltas: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
+
+    def take(self, out: RequestOutput) -> None:
+        assert self.finish_reason is None, f"output after the final one: {out}"
+        self.token_ids.extend(out.token_ids)
+        self.deltas.append(out.text)
+        if out.logprobs is not None:
+            assert len(out.logprobs) == len(out.token_ids)
+            assert [lp.token_id for lp in out.logprobs] == list(out.token_ids)
+            self.logprobs.extend(out.logprobs)
+        assert out.completion_tokens == len(self.token_ids)
+        self.prompt_tokens = out.prompt_tokens
+        self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int  # engine step number at which the request is added
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+def check_accounting(core: EngineCore) -> None:
+    """Slots in use are exactly the admitted requests' cached tokens; queued requests hold nothing."""
+    s = core.scheduler
+    admitted = [*s.prefilling, *s.running]
+    assert len(admitted) <= core.config.max_running_requests
+    assert core.runner.kv_pool.used_size() == sum(r.kv_len for r in admitted)
+    assert core.runner.req_pool.available_size() == core.runner.req_pool.size - len(admitted)
+    assert len({r.req_row for r in admitted}) == len(admitted) and all(r.req_row > 0 for r in admitted)
+    assert all(r.req_row == 0 and r.kv_len == 0 for r in s.waiting)
+
+
+def assert_idle_and_empty(core: EngineCore) -> None:
+    """No work left, every KV slot and request row back in its allocator."""
+    assert not core.has_work()
+    assert core.runner.kv_pool.available_size() == core.runner.kv_pool.num_slots
+    assert core.runner.req_pool.available_size() == core.runner.req_pool.size
+
+
+class Driver:
+    """Steps `core`, adding requests and aborting them at given step numbers, and collects their streams."""
+
+    def __init__(self, core: EngineCore, pin_new_token_ratio: float | None = None) -> None:
+        self.core = core
+        # Pinning the admission reserve (e.g. at 0) makes admission reckless, so retraction happens over and
+        # over, also of half-prefilled and already-retracted requests: outputs must not depend on the heuristic.
+        self.pin_new_token_ratio = pin_new_token_ratio
+        self.streams: dict[tuple[str, int], Stream] = {}
+        self.steps = 0
+        self.mixed_steps = 0  # steps that began with both a decode batch and prefill work pending
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        reqs = self.core.make_requests(request_id, prompt, params)
+        for r in reqs:
+            self.streams[(request_id, r.index)] = Stream()
+        self.core.add(reqs)
+
+    def collect(self, outputs: Iterable[RequestOutput]) -> list[RequestOutput]:
+        outputs = list(outputs)
+        for out in outputs:
+            self.streams[(out.request_id, out.index)].take(out)
+        return outputs
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        outs = self.collect(self.core.abort(request_id))
+        check_accounting(self.core)
+        return outs
+
+    def step(self) -> list[RequestOutput]:
+        s = self.core.scheduler
+        if self.pin_new_token_ratio is not None:
+            s.new_token_ratio = self.pin_new_token_ratio
+        self.mixed_steps += bool(s.running and (s.waiting or s.prefilling))
+        outs = self.collect(self.core.step())
+        self.steps += 1
+        check_accounting(self.core)
+        return outs
+
+    def run(self, arrivals: Iterable[Arrival] = (), max_steps: int = 10_000) -> dict[tuple[str, int], Stream]:
+        """Add each arrival at its step, step until nothing is left to do."""
+        pending = sorted(arrivals, key=lambda a: a.step)
+        while pending or self.core.has_work():
+            while pending and pending[0].step <= self.steps:
+                a = pending.pop(0)
+                self.add(a.request_id, a.prompt, a.params)
+            if self.core.has_work():
+                self.step()
+            else:  # idle until the next arrival: time is measured in steps, so an idle step still counts
+                self.steps += 1
+            assert self.steps < max_steps, "the engine did not finish"
+        assert all(st.finish_reason is not None for st in self.streams.values())
+        return self.streams
+
+
+def run_solo(core: EngineCore, prompt: list[int], params: SamplingParams) -> Stream:
+    """The request alone on an otherwise idle engine (choice 0)."""
+    assert not core.has_work()
+    streams = Driver(core).run([Arrival(0, "solo", prompt, params)])
+    assert_idle_and_empty(core)
+    return streams[("solo", 0)]

@@ -1,0 +1,71 @@
+"""The C++ ember::decode_attention against the Python reference, and both attention ops against SDPA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.ops import attention
+
+
+def _setup(dtype: torch.dtype, lens: list[int], heads: int = 8, kv_heads: int = 2, dim: int = 32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    b, slots_total, ctx = len(lens), 600, 128
+    k_cache = torch.randn(slots_total + 1, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots_total + 1, kv_heads, dim, generator=g).to(dtype)
+    table = torch.zeros(b + 1, ctx, dtype=torch.int32)
+    perm = torch.randperm(slots_total, generator=g) + 1  # scattered slots, as after many alloc/free cycles
+    used = 0
+    for i, n in enumerate(lens):
+        table[i + 1, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    rows = torch.arange(1, b + 1, dtype=torch.int64)
+    seq = torch.tensor(lens, dtype=torch.int64)
+    out_slots = table[rows, seq - 1].to(torch.int64)  # the newest position of each request
+    q = torch.randn(b, heads, dim, generator=g).to(dtype)
+    k = torch.randn(b, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(b, kv_heads, dim, generator=g).to(dtype)
+    return q, k, v, k_cache, v_cache, out_slots, table, rows, seq
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_native_decode_attention_matches_reference(dtype: torch.dtype, tol: float) -> None:
+    if not attention.NATIVE_DECODE_ATTENTION:
+        pytest.skip("no C++ toolchain: the reference is the op")
+    q, k, v, kc, vc, slots, table, rows, seq = _setup(dtype, [1, 17, 128, 40, 3])
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = torch.ops.ember.decode_attention(q, k, v, kc, vc, slots, table, rows, seq, 0.17)
+    want = attention.reference_decode_attention(q, k, v, kc2, vc2, slots, table, rows, seq, 0.17)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # both wrote the new K/V into the same slots
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_decode_attention_equals_dense_sdpa() -> None:
+    q, k, v, kc, vc, slots, table, rows, seq = _setup(torch.float32, [5, 33])
+    got = torch.ops.ember.decode_attention(q, k, v, kc, vc, slots, table, rows, seq, 32**-0.5)
+    for i, n in enumerate(seq.tolist()):
+        keys = kc[table[i + 1, :n].long()].transpose(0, 1)  # [KVH, n, D]
+        vals = vc[table[i + 1, :n].long()].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[i][:, None], keys, vals, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(got[i], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_attention_is_causal_over_prefix() -> None:
+    # A 6-token prompt prefilled as a 4-token chunk then a 2-token chunk equals one 6-token prefill.
+    g = torch.Generator().manual_seed(1)
+    heads, kvh, dim, n = 4, 2, 16, 6
+    q, k, v = (torch.randn(n, h, dim, generator=g) for h in (heads, kvh, kvh))
+    table = torch.zeros(2, 16, dtype=torch.int32)
+    table[1, :n] = torch.arange(1, n + 1, dtype=torch.int32)
+    rows = torch.tensor([1])
+
+    def run(spans: list[tuple[int, int]]) -> torch.Tensor:
+        kc, vc = torch.zeros(n + 1, kvh, dim), torch.zeros(n + 1, kvh, dim)
+        outs = []
+        for start, end in spans:
+            outs.append(torch.ops.ember.extend_attention(
+                q[start:end], k[start:end], v[start:end], kc, vc, torch.arange(start + 1, end + 1), table, rows,
+                torch.tensor([start]), torch.tensor([end - start]), 0.25))
+        return torch.cat(outs)
+
+    torch.testing.assert_close(run([(0, 4), (4, 6)]), run([(0, 6)]), atol=1e-6, rtol=1e-6)
