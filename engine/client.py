@@ -6,7 +6,7 @@ event loop (`call_soon_threadsafe`) which fans them out to per-request asyncio q
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -65,7 +65,7 @@ class EngineClient:
         return len(self._queues)
 
     # ---- requests -------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         if self.error is not None:
             raise EngineDeadError(f"the engine failed: {self.error}")
         if request_id in self._queues:

@@ -77,7 +77,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint,
                  on_bucket: Callable[[int, float], None] | None = None) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        if config.num_threads:  # else torch's default: OMP_NUM_THREADS, or the physical cores
+            torch.set_num_threads(config.num_threads)
         if config.compile_cache_dir:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.compile_cache_dir
         mc = self.model_config = checkpoint.config

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -46,12 +46,6 @@ def check_admission(state: ServerState, prompts: Sequence[list[int]], params: Sa
         raise unavailable(f"the queue is full ({cfg.max_queued_requests} waiting requests); retry later", retry)
 
 
-def engine_outputs(state: ServerState, request_id: str, prompt_ids: list[int],
-                   params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
-    """The engine's `generate()`: an async generator, annotated by the engine as a plain AsyncIterator."""
-    return cast(AsyncGenerator[RequestOutput, None], state.engine.generate(request_id, prompt_ids, params))
-
-
 async def generate(state: ServerState, request_id: str, prompt_ids: list[int],
                    params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
     """`engine.generate` plus in-flight tracking (for drain), metrics and one log line when it ends."""
@@ -65,7 +59,7 @@ async def generate(state: ServerState, request_id: str, prompt_ids: list[int],
     t0 = time.monotonic()
     first_at: float | None = None
     try:
-        async with aclosing(engine_outputs(state, request_id, prompt_ids, params)) as outputs:
+        async with aclosing(state.engine.generate(request_id, prompt_ids, params)) as outputs:
             async for out in outputs:
                 now = time.monotonic()
                 if out.token_ids:

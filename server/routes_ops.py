@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, Response
 from engine.sampling_params import SamplingParams
 from server.deps import get_state
 from server.errors import APIError, error_response
-from server.generation import engine_outputs
 from server.metrics import CONTENT_TYPE
 from server.protocol import ModelCard, ModelList
 from server.state import ServerState
@@ -49,7 +48,7 @@ async def health_generate(request: Request) -> Response:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     async def one_token() -> None:
-        async with aclosing(engine_outputs(state, f"health-{uuid.uuid4().hex}", [token], params)) as outs:
+        async with aclosing(state.engine.generate(f"health-{uuid.uuid4().hex}", [token], params)) as outs:
             async for _ in outs:
                 pass
 
