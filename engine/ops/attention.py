@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -53,19 +54,19 @@ def reference_decode_attention(
 def _load_native_decode_attention() -> bool:
     """Build (first time, ~1 min, cached under TORCH_EXTENSIONS_DIR) and load the C++ decode attention.
 
-    EMBER_NATIVE_OPS=0 forces the Python reference. A machine without a C++ toolchain falls back to it too.
+    EMBER_NATIVE_OPS=0 forces the Python reference, and a machine without a C++ compiler falls back to it with a
+    warning. With a compiler present a failed build is an error: silently serving the slow path hides bugs.
     """
     if os.environ.get("EMBER_NATIVE_OPS", "1") == "0":
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("no C++ compiler: ember::decode_attention runs the (slower) Python reference")
         return False
     from torch.utils.cpp_extension import load
 
     src = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-    try:
-        load(name="ember_decode_attention", sources=[str(src)], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
-        log.warning("C++ decode attention unavailable, using the Python reference: %s", exc)
-        return False
+    load(name="ember_decode_attention", sources=[str(src)], is_python_module=False,
+         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
     return True
 
 

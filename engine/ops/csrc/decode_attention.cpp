@@ -12,10 +12,56 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+// 16 lanes of a K/V/q row as fp32. bf16 -> fp32 is a 16-bit left shift of the raw bits.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// scores[g * L + l] = q_g . k_l for the G heads sharing this KV head (qf is fp32, pre-scaled).
+template <typename T>
+void qk_avx512(const float* qf, const T* kp, const int32_t* slots, int64_t L, int64_t G, int64_t D,
+               int64_t kv_stride, int64_t kh, float* scores) {
+  for (int64_t l = 0; l < L; ++l) {
+    const T* krow = kp + static_cast<int64_t>(slots[l]) * kv_stride + kh * D;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(load16(qf + g * D + d), load16(krow + d), acc);
+      scores[g * L + l] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+// acc[g] += p[g, l] * v_l over all l.
+template <typename T>
+void pv_avx512(const float* probs, const T* vp, const int32_t* slots, int64_t L, int64_t G, int64_t D,
+               int64_t kv_stride, int64_t kh, float* acc) {
+  for (int64_t l = 0; l < L; ++l) {
+    const T* vrow = vp + static_cast<int64_t>(slots[l]) * kv_stride + kh * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 v = load16(vrow + d);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * D + d;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(probs[g * L + l]), v, _mm512_loadu_ps(a)));
+      }
+    }
+  }
+}
+#endif
 
 template <typename T>
 void write_kv(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n) {
@@ -41,6 +87,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
+  const bool vec = D % 16 == 0;  // the AVX-512 paths work in whole 16-lane chunks
+  (void)vec;
 
   // One task per (request, kv head): its G query heads share every K/V row they read.
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -54,6 +102,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const T* qrow = qp + (b * H + kh * G + g) * D;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qrow[d]) * fscale;
       }
+#if defined(__AVX512F__)
+      if (vec) {
+        qk_avx512<T>(qf.data(), kp, slots, L, G, D, KVH * D, kh, scores.data());
+      } else
+#endif
       for (int64_t l = 0; l < L; ++l) {
         const T* krow = kp + (static_cast<int64_t>(slots[l]) * KVH + kh) * D;
         for (int64_t d = 0; d < D; ++d) kv_row[d] = to_f(krow[d]);
@@ -74,6 +127,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t l = 0; l < L; ++l) sg[l] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+#if defined(__AVX512F__)
+      if (vec) {
+        pv_avx512<T>(scores.data(), vp, slots, L, G, D, KVH * D, kh, acc.data());
+      } else
+#endif
       for (int64_t l = 0; l < L; ++l) {
         const T* vrow = vp + (static_cast<int64_t>(slots[l]) * KVH + kh) * D;
         for (int64_t d = 0; d < D; ++d) kv_row[d] = to_f(vrow[d]);
@@ -104,11 +162,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const at::Tensor slots = out_slots.contiguous(), rows = req_rows.contiguous(), lens = seq_lens.contiguous();
   const at::Tensor table = req_to_token.contiguous();
   at::Tensor out = at::empty_like(qc);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "ember_decode_attention", [&] {
-    write_kv<scalar_t>(kc, k_cache, slots.data_ptr<int64_t>(), slots.numel());
-    write_kv<scalar_t>(vc, v_cache, slots.data_ptr<int64_t>(), slots.numel());
-    attend<scalar_t>(qc, k_cache, v_cache, table, rows, lens, out, scale);
-  });
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    write_kv<T>(kc, k_cache, slots.data_ptr<int64_t>(), slots.numel());
+    write_kv<T>(vc, v_cache, slots.data_ptr<int64_t>(), slots.numel());
+    attend<T>(qc, k_cache, v_cache, table, rows, lens, out, scale);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "decode_attention supports float32, bfloat16 and float16, got ", q.scalar_type());
+  }
   return out;
 }
 
