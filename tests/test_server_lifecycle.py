@@ -149,11 +149,12 @@ def test_compiled_server_matches_eager_and_drains_on_sigterm(tiny_model: Path, c
     eager = greedy(client, "The capital of France is", max_tokens=40).choices[0].text
     args = ["--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--dtype", "float32",
             "--max-total-tokens", str(2 * TINY_CONTEXT), "--max-running-requests", "1",
-            "--shutdown-grace-seconds", "4"]
+            "--shutdown-grace-seconds", "15"]
     with run_server(args, tmp_path / "compiled.log") as srv, httpx.Client(base_url=srv.base_url, timeout=60) as hc:
         assert greedy(openai_client(srv), "The capital of France is", max_tokens=40).choices[0].text == eager
         assert hc.get("/get_server_info").json()["compiled"] is True
-        short = {"prompt": "Hello", "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True}
+        # long enough (about a second or more) that it is still running when the second request queues
+        short = {"prompt": "Hello", "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
         long = {**short, "max_tokens": TINY_CONTEXT - 16}  # cannot finish within the grace period
         with hc.stream("POST", "/v1/completions", json=short) as a, \
                 hc.stream("POST", "/v1/completions", json=long) as b:
