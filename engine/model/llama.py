@@ -16,6 +16,9 @@ from engine.model.attention_meta import AttentionMeta
 from engine.model.rope import apply_rope
 
 
+LM_HEAD_SLICE = 8192  # rows of the output projection per GEMM (see LlamaModel.forward)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same order of operations as HF's LlamaRMSNorm: normalise in fp32, cast back, then scale.
     xf = x.float()
@@ -102,4 +105,6 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logit_rows)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        # oneDNN's bf16 GEMM over one vocabulary-wide weight ran 1.4-2.5x slower than over 8192-row slices
+        # of it on this machine (49152 x 576: 11.8 -> 8.3 ms at batch 1, 40.9 -> 18.9 ms at batch 32).
+        return torch.cat([F.linear(x, w) for w in head.split(LM_HEAD_SLICE)], dim=-1).float()
