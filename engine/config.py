@@ -19,7 +19,6 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     cpp_wrapper: bool = False
     chunked_prefill_size: int = 512
-    max_prefill_tokens: int = 4096
     max_queued_requests: int = 1024
     num_threads: int | None = None  # torch threads; None = all cores
     seed: int = 0
