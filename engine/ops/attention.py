@@ -65,7 +65,9 @@ def _load_native_decode_attention() -> bool:
     from torch.utils.cpp_extension import load
 
     src = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-    load(name="ember_decode_attention", sources=[str(src)], is_python_module=False,
+    # -march=native: the build cache must not be shared with a CPU of another capability (a cache volume can be).
+    cpu = torch.backends.cpu.get_cpu_capability().lower()
+    load(name=f"ember_decode_attention_{cpu}", sources=[str(src)], is_python_module=False,
          extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
     return True
 
