@@ -67,7 +67,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 def _option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     # argparse has no public way to enumerate a parser's actions; `_actions` has been stable since Python 2.7.
-    return {a.dest: a for a in parser._actions if a.option_strings}  # noqa: SLF001
+    return {a.dest: a for a in parser._actions if a.option_strings}
 
 
 @contextmanager
