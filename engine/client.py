@@ -36,11 +36,13 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = EngineThread(config, self._deliver, self._fatal, on_bucket)
         self.error: BaseException | None = None
+        self.failed: asyncio.Event | None = None  # set on the event loop when the engine thread dies
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start loading and compiling in the background; `ready` turns true when it can serve."""
         self._loop = asyncio.get_running_loop()
+        self.failed = asyncio.Event()
         self._thread.start()
 
     async def wait_ready(self) -> None:
@@ -112,5 +114,7 @@ class EngineClient:
             self._loop.call_soon_threadsafe(self._fan_out_fatal, error)
 
     def _fan_out_fatal(self, error: BaseException) -> None:
+        if self.failed is not None:
+            self.failed.set()
         for q in self._queues.values():
             q.put_nowait(_Fatal(error))

@@ -59,6 +59,11 @@ async def _announce_ready(state: ServerState, on_exit: ExitHook) -> None:
     log.info("ready in %.1f s: serving %s at http://%s:%d/v1 (max context %d, KV pool %d tokens, max %d running "
              "requests)", time.monotonic() - started, state.model_name, host, state.settings.port,
              core.max_context, core.runner.kv_pool.num_slots, state.engine.config.max_running_requests)
+    # A dead engine thread cannot come back: exit non-zero so a supervisor (docker, systemd) restarts us.
+    assert state.engine.failed is not None
+    await state.engine.failed.wait()
+    log.error("the engine failed while serving: %s", state.engine.error)
+    on_exit(1)
 
 
 def create_app(config: EngineConfig, settings: ServerSettings, on_exit: ExitHook | None = None) -> FastAPI:
