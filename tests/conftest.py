@@ -1,14 +1,17 @@
 """Shared fixtures: tiny random HF model folders, and the real SmolLM2 GGUF with its transformers oracle."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from server_harness import TINY_CONTEXT, Server, http_client, openai_client, tiny_server
 from tiny_models import write_tiny_model
 
 MakeTinyModel = Callable[..., Path]
@@ -63,3 +66,22 @@ def smollm2_hf_fp32() -> SmolLM2Oracle:
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model.eval()
     return model, load_tokenizer(str(path)), path
+
+
+# A real `ember serve` over a tiny model, one per test module that asks for it (tests/server_harness.py).
+@pytest.fixture(scope="module")
+def server(make_tiny_model: MakeTinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = make_tiny_model("llama", max_position_embeddings=TINY_CONTEXT)
+    with tiny_server(model, tmp_path_factory.mktemp("logs") / "server.log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with http_client(server) as c:
+        yield c

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import openai
@@ -19,30 +17,9 @@ from server_harness import (
     TINY_CONTEXT,
     Server,
     greedy,
-    http_client,
-    openai_client,
     read_completion_stream,
     sse_events,
-    tiny_server,
 )
-
-
-@pytest.fixture(scope="module")
-def server(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = make_tiny_model("llama", max_position_embeddings=TINY_CONTEXT)
-    with tiny_server(model, tmp_path_factory.mktemp("logs") / "server.log") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with http_client(server) as c:
-        yield c
 
 
 def test_completion_usage_and_stream_match(client: openai.OpenAI, http: httpx.Client) -> None:

@@ -9,7 +9,6 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -31,27 +30,8 @@ from server_harness import (
     idle,
     metrics,
     openai_client,
-    tiny_server,
     wait_until,
 )
-
-
-@pytest.fixture(scope="module")
-def server(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = make_tiny_model("llama", max_position_embeddings=TINY_CONTEXT)
-    with tiny_server(model, tmp_path_factory.mktemp("logs") / "server.log") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with http_client(server) as c:
-        yield c
 
 
 def test_400_invalid_fields_in_openai_shape(client: openai.OpenAI, http: httpx.Client) -> None:

@@ -9,7 +9,6 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ from server_harness import (
     run_server,
     start_server,
     stop_server,
-    tiny_server,
     wait_for_health,
     wait_until,
 )
@@ -45,17 +43,6 @@ from server_harness import (
 @pytest.fixture(scope="module")
 def tiny_model(make_tiny_model: Any) -> Path:
     return make_tiny_model("llama", max_position_embeddings=TINY_CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with tiny_server(tiny_model, tmp_path_factory.mktemp("logs") / "server.log") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai_client(server)
 
 
 def _raw_post(server: Server, path: str, body: dict[str, Any]) -> socket.socket:
