@@ -1,4 +1,4 @@
-"""The `ember` command: serve, compile, generate (offline), bench-engine.
+"""The `ember` command: serve, compile, generate (offline), bench-engine, bench (load generator).
 
 OpenMP settings must be in the environment before torch is imported, so this module imports nothing heavy
 at the top: idle OpenMP workers that spin would starve the uvicorn event loop on a 2-core machine.
@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from server.config_resolve import (
     CONFIG_ENV,
@@ -114,9 +114,10 @@ def _generate(args: argparse.Namespace) -> int:
     config = replace(engine_config_from_args(args), max_running_requests=1)
     core = EngineCore(config)
     tok = core.tokenizer
-    if args.chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+    ids: list[int]
+    if args.chat:  # tokenize=True, return_dict=False: a flat list of token ids
+        ids = cast(list[int], tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
     else:
         ids = tok.encode(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -139,7 +140,7 @@ def _serve_args() -> tuple[AddArgs | None, Callable[[argparse.Namespace], int] |
 
 def _document(p: argparse.ArgumentParser, dests: set[str]) -> None:
     """Every setting's help names its env var and its default, whoever wrote the flag."""
-    for action in p._actions:  # noqa: SLF001 - argparse has no public enumeration of actions
+    for action in p._actions:  # argparse has no public enumeration of actions
         if action.dest not in dests or action.help is None:
             continue
         if "default" not in action.help:
@@ -198,6 +199,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     from server.bench_engine import add_bench_args
 
     add_bench_args(bench)
+
+    load = commands["bench"] = sub.add_parser(
+        "bench", help="load-test any OpenAI-compatible server: tokens/s, TTFT, inter-token latency, peak RSS")
+    from server.bench_load import add_load_bench_args
+
+    add_load_bench_args(load)
     for p in commands.values():
         add_config_args(p)
         _document(p, set(dests))
@@ -239,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             from server.compile_cmd import run_compile
 
             return run_compile(engine_config_from_args(args))
+        if args.command == "bench":
+            from server.bench_load import run_load_bench
+
+            return run_load_bench(args)
         if args.command == "bench-engine":
             from server.bench_engine import run_bench
 

