@@ -11,8 +11,6 @@ import json
 import time
 from dataclasses import replace
 
-import torch
-
 from engine.config import EngineConfig
 
 
@@ -27,6 +25,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _ember_decode_tps(config: EngineConfig, batches: list[int], prompt_len: int, steps: int) -> tuple[dict[int, float], dict[int, float]]:
+    import torch  # here, not at the top: `ember bench` builds this parser and must not pay for torch
+
     from engine.loader import open_checkpoint
     from engine.model_runner import ExtendChunk, ModelRunner
 
@@ -60,6 +60,8 @@ def _ember_decode_tps(config: EngineConfig, batches: list[int], prompt_len: int,
 
 
 def _hf_decode_tps(config: EngineConfig, batches: list[int], prompt_len: int, steps: int) -> dict[int, float]:
+    import torch
+
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM, GgufConfig
