@@ -45,9 +45,14 @@ class KVPool:
     def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         self.num_slots = num_slots
         shape = (num_slots + 1, kv_heads, head_dim)
-        # zeros() maps fresh pages lazily, so an unused pool costs address space, not resident memory.
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        # empty(), not zeros(): zeros() writes every page, so a 5 GiB pool was 5 GiB resident from the start;
+        # untouched pages of an empty() pool cost address space only. Every slot is written before it is read,
+        # except through positions past a request's length that still map to slot 0 (the Python reference
+        # attention reads those and masks them): slot 0 is zeroed so they hold finite values, never NaN.
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        for t in (*self.k, *self.v):
+            t[0].zero_()
         self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
         self._in_use = torch.zeros(num_slots + 1, dtype=torch.bool)
 
