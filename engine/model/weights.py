@@ -14,6 +14,7 @@ from torch import nn
 from engine.loader.model_config import ModelConfig
 from engine.model.llama import LlamaModel
 from engine.model.rope import inv_freq_and_scaling, rope_table
+from engine.ops.linear import can_pack, pack_linear_weight
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # HF name inside a layer -> (our parameter, which shard of a fused weight or None)
@@ -42,8 +43,10 @@ def _shard_range(cfg: ModelConfig, shard: str) -> tuple[int, int]:
 
 
 def build_model(
-    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_positions: int
+    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_positions: int,
+    pack: bool = True,
 ) -> LlamaModel:
+    """pack: bf16 linear weights in the ember::linear_bf16 layout where this CPU runs it (False: plain [N, K])."""
     rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
     cos, sin = rope_table(*inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.head_dim), max_positions)
     with torch.device("meta"):  # parameters only: the rope tables above are real
@@ -75,4 +78,25 @@ def build_model(
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if pack and can_pack(dtype):
+        pack_weights(model)
     return model.eval()
+
+
+PACKED_LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def pack_weights(model: LlamaModel) -> None:
+    """Replace every linear weight by its ember::linear_bf16 layout, one at a time (peak: one extra weight).
+
+    A tied embedding is packed as the head: `engine.ops.linear.embedding` gathers rows from the packed table, so the
+    model keeps a single copy of it.
+    """
+    def repack(module: nn.Module, attr: str) -> None:
+        packed = pack_linear_weight(getattr(module, attr).data)
+        setattr(module, attr, nn.Parameter(packed, requires_grad=False))
+
+    for layer in model.layers:
+        for attr in PACKED_LAYER_WEIGHTS:
+            repack(layer, attr)
+    repack(model, "embed_tokens" if model.lm_head is None else "lm_head")

@@ -10,15 +10,10 @@ Both ops first write this step's K/V into `out_slots`, then attend, so a token s
 """
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("ember.ops")
+from engine.ops.native import NATIVE_OPS
 
 
 def reference_decode_attention(
@@ -51,28 +46,7 @@ def reference_decode_attention(
     return out.reshape(bsz, heads, dim)
 
 
-def _load_native_decode_attention() -> bool:
-    """Build (first time, ~1 min, cached under TORCH_EXTENSIONS_DIR) and load the C++ decode attention.
-
-    EMBER_NATIVE_OPS=0 forces the Python reference, and a machine without a C++ compiler falls back to it with a
-    warning. With a compiler present a failed build is an error: silently serving the slow path hides bugs.
-    """
-    if os.environ.get("EMBER_NATIVE_OPS", "1") == "0":
-        return False
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        log.warning("no C++ compiler: ember::decode_attention runs the (slower) Python reference")
-        return False
-    from torch.utils.cpp_extension import load
-
-    src = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-    # -march=native: the build cache must not be shared with a CPU of another capability (a cache volume can be).
-    cpu = torch.backends.cpu.get_cpu_capability().lower()
-    load(name=f"ember_decode_attention_{cpu}", sources=[str(src)], is_python_module=False,
-         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    return True
-
-
-NATIVE_DECODE_ATTENTION = _load_native_decode_attention()
+NATIVE_DECODE_ATTENTION = NATIVE_OPS
 if not NATIVE_DECODE_ATTENTION:
     torch.library.custom_op("ember::decode_attention", mutates_args=("k_cache", "v_cache"))(reference_decode_attention)
 

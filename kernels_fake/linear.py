@@ -1,0 +1,13 @@
+"""Fake kernel for `ember::linear_bf16`: [..., K] x packed [N_pad/32, K/2, 32, 2] -> [..., n]."""
+from __future__ import annotations
+
+import torch
+
+import engine.ops.native  # noqa: F401  (builds and registers the op the fake attaches to)
+from engine.ops.native import NATIVE_LINEAR
+
+if NATIVE_LINEAR:
+
+    @torch.library.register_fake("ember::linear_bf16")
+    def _linear_bf16_fake(x: torch.Tensor, w_packed: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], n))
