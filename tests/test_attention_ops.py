@@ -29,9 +29,13 @@ def _setup(dtype: torch.dtype, lens: list[int], heads: int = 8, kv_heads: int = 
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_native_decode_attention_matches_reference(dtype: torch.dtype, tol: float) -> None:
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 128), (6, 2, 48)])
+def test_native_decode_attention_matches_reference(dtype: torch.dtype, tol: float, heads: int, kv_heads: int,
+                                                   dim: int) -> None:
+    # dim 32/64/128 take the AVX-512 kernels (9/3 is SmolLM2's grouping), 48 the portable loop; the lengths
+    # cross the 16-key blocks and the prefetch distance.
     assert attention.NATIVE_DECODE_ATTENTION, "this machine has a C++ compiler: the native op must be built"
-    q, k, v, kc, vc, slots, table, rows, seq = _setup(dtype, [1, 17, 128, 40, 3])
+    q, k, v, kc, vc, slots, table, rows, seq = _setup(dtype, [1, 17, 128, 40, 3], heads, kv_heads, dim)
     kc2, vc2 = kc.clone(), vc.clone()
     got = torch.ops.ember.decode_attention(q, k, v, kc, vc, slots, table, rows, seq, 0.17)
     want = attention.reference_decode_attention(q, k, v, kc2, vc2, slots, table, rows, seq, 0.17)
