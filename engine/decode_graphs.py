@@ -7,9 +7,13 @@ rows point at request row 0 / KV slot 0 with sequence length 1 (see engine/pools
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch._dynamo
@@ -25,13 +29,19 @@ DecodeStep = Callable[..., torch.Tensor]
 
 
 class DecodeGraphs:
-    def __init__(self, step: DecodeStep, buckets: tuple[int, ...], compile: bool, cpp_wrapper: bool = False,
-                 freeze: bool = True) -> None:
+    def __init__(self, step: torch.nn.Module, buckets: tuple[int, ...], compile: bool, cpp_wrapper: bool = False,
+                 freeze: bool = True, artifact_dir: Path | None = None) -> None:
         """freeze: let inductor fold the weights into each bucket as constants (oneDNN prepacks plain linears).
-        Off for packed ember::linear_bf16 weights: they are packed already, all buckets then share one copy, and
-        unfrozen graphs hit the FX graph and AOTAutograd caches on a restart."""
+        Off for packed ember::linear_bf16 weights: they are packed already and all buckets share one copy.
+
+        artifact_dir (unfrozen graphs only): where each bucket's whole compiled step is saved (dynamo's
+        `aot_compile`) and loaded from on the next start. A warm inductor cache alone still re-traces the model
+        with dynamo every start (~2-5 s per bucket); loading an artifact takes well under a second. The caller
+        names the folder after everything the graphs depend on (engine/model_runner.py decode_artifact_dir)."""
         self.step, self.buckets, self.compiled = step, tuple(sorted(buckets)), compile
         self.cpp_wrapper, self.freeze = cpp_wrapper, freeze
+        self.artifact_dir = artifact_dir if compile and not freeze else None
+        self.outcomes: dict[int, str] = {}
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64)
         self.positions = torch.zeros(n, dtype=torch.int64)
@@ -64,27 +74,66 @@ class DecodeGraphs:
         for i, bs in enumerate(order, 1):
             before = {k: cache[f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
             t0 = time.perf_counter()
-            self.fns[bs] = torch.compile(self.step, dynamic=False, fullgraph=True) if self.compiled else self.step
-            # Compilation happens at this first call. Freezing turns the weights into constants so oneDNN can
-            # prepack them (DESIGN.md §4); it must be set globally here: torch.compile(options=...) ignores it.
+            args = self._args(bs, req_to_token, k_caches, v_caches)
             with torch._inductor.config.patch(freezing=self.freeze, cpp_wrapper=self.cpp_wrapper):
-                self._run_padding_only(bs, req_to_token, k_caches, v_caches)
+                if self.artifact_dir is not None:
+                    self.fns[bs], outcome = self._precompiled(bs, args)
+                else:
+                    # Compilation happens at this first call. Freezing turns the weights into constants so oneDNN
+                    # can prepack them (DESIGN.md §4); it must be set through inductor's config, as here:
+                    # torch.compile(options=...) ignores it.
+                    self.fns[bs] = torch.compile(self.step, dynamic=False, fullgraph=True) if self.compiled else self.step
+                    self._run_padding_only(bs, args)
+                    # Frozen graphs store oneDNN-packed weights, which the FX graph cache cannot pickle: "bypass"
+                    # (only inductor's C++ kernel cache is reused across restarts).
+                    outcome = "fx graph cache " + (
+                        ",".join(k for k, n in before.items() if cache[f"fxgraph_cache_{k}"] > n) or "none")
             secs = time.perf_counter() - t0
             self.compile_seconds[bs] = secs
+            self.outcomes[bs] = outcome
             if self.compiled:
-                # Frozen graphs store oneDNN-packed weights, which the FX graph cache cannot pickle: expect "bypass"
-                # there (only inductor's C++ kernel cache is reused across restarts), "hit" on a warm unfrozen start.
-                outcome = ",".join(k for k, n in before.items() if cache[f"fxgraph_cache_{k}"] > n) or "none"
-                log.info("compiled decode bucket %d [%d/%d] in %.1f s (fx graph cache: %s)", bs, i, len(order), secs,
-                         outcome)
+                log.info("decode bucket %d [%d/%d] ready in %.1f s (%s)", bs, i, len(order), secs, outcome)
             if on_bucket is not None:
                 on_bucket(bs, secs)
 
-    def _run_padding_only(self, bs: int, req_to_token: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        self._pad_from(0, bs)
+    def _precompiled(self, bs: int, args: tuple) -> tuple[DecodeStep, str]:
+        """Load bucket `bs`'s saved step, or compile it ahead of time and save it for the next start."""
+        assert self.artifact_dir is not None
+        torch._dynamo.config.enable_aot_compile = True
+        path = self.artifact_dir / f"bucket-{bs}.bin"
+        if path.is_file():
+            try:
+                with path.open("rb") as f:
+                    fn = torch.compiler.load_compiled_function(f)
+                bound = functools.partial(fn, self.step)
+                self._run_padding_only(bs, args, bound)
+                return bound, f"loaded {path}"
+            except Exception as exc:  # another torch or CPU than the saver's: compile afresh
+                log.warning("saved decode bucket %d did not load (%s: %s); compiling it", bs, type(exc).__name__, exc)
+        fwd = torch.compile(type(self.step).forward, fullgraph=True, dynamic=False)
         with torch.no_grad():
-            self.fns[bs](self.input_ids[:bs], self.positions[:bs], self.req_rows[:bs], self.seq_lens[:bs],
-                         self.out_slots[:bs], req_to_token, k, v)
+            fn = fwd.aot_compile(((self.step, *args), {}))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            fn.save_compiled_function(tmp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)  # atomic: a concurrent or interrupted start never sees half a file
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        bound = functools.partial(fn, self.step)
+        self._run_padding_only(bs, args, bound)
+        return bound, f"compiled ahead of time, saved to {path}"
+
+    def _args(self, bs: int, req_to_token: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> tuple:
+        self._pad_from(0, bs)
+        return (self.input_ids[:bs], self.positions[:bs], self.req_rows[:bs], self.seq_lens[:bs],
+                self.out_slots[:bs], req_to_token, k, v)
+
+    def _run_padding_only(self, bs: int, args: tuple, fn: DecodeStep | None = None) -> None:
+        with torch.no_grad():
+            (fn or self.fns[bs])(*args)
 
     def _pad_from(self, start: int, end: int) -> None:
         self.input_ids[start:end] = 0

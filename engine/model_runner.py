@@ -5,11 +5,13 @@ and it records them at the right positions before the forward that writes their 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -29,6 +31,9 @@ from engine.pools import KVPool, ReqToTokenPool
 log = logging.getLogger("ember.runner")
 
 MAX_CONTEXT_CAP = 32768
+# Sources whose code ends up inside a compiled decode step (relative to the repository root).
+GRAPH_SOURCES = ("engine/model/*.py", "engine/ops/*.py", "engine/ops/csrc/*.cpp", "kernels_fake/*.py",
+                 "engine/decode_graphs.py", "engine/model_runner.py")
 
 
 class KVMemoryError(MemoryError):
@@ -98,10 +103,25 @@ class ModelRunner:
         log.info("KV pool: %d slots (%.2f GiB), max context %d, max running requests %d", num_slots,
                  num_slots * per_slot / 2**30, self.max_context, config.max_running_requests)
         self.graphs = DecodeGraphs(DecodeStepModule(self.model), config.buckets, not config.disable_compile,
-                                   config.cpp_wrapper, freeze=not self.model.packed)
+                                   config.cpp_wrapper, freeze=not self.model.packed,
+                                   artifact_dir=self._decode_artifact_dir())
         log.info("decode buckets %s (%s)", list(self.graphs.buckets),
                  "eager" if config.disable_compile else "compiling, largest first")
         self.graphs.capture(self.req_pool.table, self.kv_pool.k, self.kv_pool.v, on_bucket)
+
+    def _decode_artifact_dir(self) -> Path | None:
+        """Where the saved decode steps live: a folder named after everything a compiled step depends on (torch,
+        CPU, model shape, dtype, pool shapes, the engine's model/op/graph sources), so any change compiles anew."""
+        if not self.config.compile_cache_dir:
+            return None
+        cfg, mc = self.config, self.model_config
+        parts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), repr(mc), cfg.dtype, cfg.cpp_wrapper,
+                 tuple(self.kv_pool.k[0].shape), len(self.kv_pool.k), tuple(self.req_pool.table.shape)]
+        digest = hashlib.sha256(repr(parts).encode())
+        root = Path(__file__).resolve().parent.parent
+        for src in sorted(p for pattern in GRAPH_SOURCES for p in root.glob(pattern)):
+            digest.update(src.read_bytes())
+        return Path(cfg.compile_cache_dir) / "decode-steps" / f"{mc.name}-{digest.hexdigest()[:16]}"
 
     def _load_model(self, checkpoint: LoadedCheckpoint, prepared: PreparedModel | None) -> tuple[LlamaModel, str]:
         """The model from the prepared cache entry when it has this dtype's weights, else from the checkpoint

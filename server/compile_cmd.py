@@ -43,6 +43,8 @@ def run_compile(config: EngineConfig) -> int:
     log.info("inductor FX graph cache: %d hit, %d miss, %d bypass; AOTAutograd cache: %d hit, %d miss, %d bypass",
              c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], c["fxgraph_cache_bypass"],
              c["autograd_cache_hit"], c["autograd_cache_miss"], c["autograd_cache_bypass"])
+    if graphs.artifact_dir is not None:
+        log.info("saved decode steps in %s (a restart loads them instead of compiling)", graphs.artifact_dir)
     if not config.compile_cache_dir:
         log.warning("no --compile-cache-dir (or EMBER_COMPILE_CACHE_DIR) was set: the cache went to torch's "
                     "default directory, which a container restart loses")

@@ -29,7 +29,7 @@ def test_generate_prints_only_the_completion(make_tiny_model) -> None:
     while core.has_work():
         text += "".join(o.text for o in core.step())
     assert run.stdout == text + "\n"
-    assert "compiled decode bucket 1" in run.stderr  # logs go to stderr
+    assert "decode bucket 1 [1/1] ready in" in run.stderr  # logs go to stderr
 
 
 def test_generate_rejects_missing_model() -> None:
