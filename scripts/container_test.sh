@@ -168,6 +168,27 @@ main() {
   code=$(podman inspect -f '{{.State.ExitCode}}' "$NAME")
   [[ $code == 0 ]] || fail "podman stop: exit code $code, not 0"
   log "podman stop: exit code 0"
+
+  # A restart on the same cache volume must serve without compiling: the prepared model and every bucket's saved
+  # decode step are loaded (where the CPU runs the packed bf16 path; elsewhere inductor's cache is reused).
+  podman rm -f "$NAME" >/dev/null 2>>"$CACHE/podman.log"
+  "${run[@]}" >/dev/null 2>>"$CACHE/podman.log"
+  t0=$SECONDS
+  until [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 5 "$URL/health" || true) == 200 ]]; do
+    [[ $(podman inspect -f '{{.State.Status}}' "$NAME") == running ]] || fail "the restarted container stopped"
+    ((SECONDS - t0 < 600)) || fail "no /health 200 within 600 s after the restart"
+    sleep 1
+  done
+  local restart_log
+  restart_log=$(podman logs "$NAME" 2>&1)
+  grep -E "ember\.(runner|compile|server)" <<<"$restart_log" | sed 's/^/    /'
+  if grep -q "linears packed" <<<"$restart_log"; then
+    grep -q "from the prepared copy" <<<"$restart_log" || fail "the restart parsed the checkpoint again"
+    [[ $(grep -c "ready in .* (loaded " <<<"$restart_log") == 2 ]] || fail "the restart compiled a decode bucket"
+  fi
+  log "restart: /health 200 after $((SECONDS - t0)) s"
+  podman stop "$NAME" >/dev/null 2>>"$CACHE/podman.log"
+  [[ $(podman inspect -f '{{.State.ExitCode}}' "$NAME") == 0 ]] || fail "second podman stop: exit code not 0"
 }
 
 main "$@"

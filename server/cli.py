@@ -70,9 +70,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "start-up (default: %(default)s)")
     g.add_argument("--disable-compile", action=argparse.BooleanOptionalAction, default=False,
                    help="run the decode step eagerly: no compile at start-up, slower decode (default: %(default)s)")
-    g.add_argument("--compile-cache-dir", default=None,
-                   help="persistent torch.compile (inductor) cache directory (default: torch's own, "
-                        "/tmp/torchinductor_$USER)")
+    g.add_argument("--compile-cache-dir", default=_default_cache_dir(),
+                   help="persistent cache: inductor's kernels, each bucket's saved decode step and a prepared "
+                        "copy of the model, so a restart skips compiling and checkpoint parsing "
+                        "(default: %(default)s)")
     g.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=False,
                    help="inductor C++ wrapper for the decode graphs (default: %(default)s)")
     g.add_argument("--chunked-prefill-size", type=int, default=512,
@@ -80,6 +81,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="waiting requests beyond which new ones get 503 (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None, help="torch compute threads (default: all cores)")
+
+
+def _default_cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember")
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
