@@ -71,14 +71,14 @@ USER ember
 # EMBER_CONFIG: the default server, with a fixed KV pool (a container's free memory is the host's, and the
 # pool's size is part of every compiled graph). The compile cache volume holds both the inductor cache and the
 # C++ attention op that is built at first start (TORCH_EXTENSIONS_DIR). EMBER_SHUTDOWN_GRACE_SECONDS: running
-# requests get 8 s to finish after SIGTERM, inside `docker stop`'s 10 s. OMP_WAIT_POLICY: idle OpenMP threads
-# must not spin (DESIGN.md §4).
+# requests get 8 s to finish after SIGTERM, inside `docker stop`'s 10 s. GOMP_SPINCOUNT: OpenMP workers spin only
+# briefly after each parallel region (the CLI's default, stated here so `docker run -e` can change it).
 ENV EMBER_HOST=0.0.0.0 \
     EMBER_CONFIG=/opt/ember/configs/smollm2.toml \
     EMBER_COMPILE_CACHE_DIR=/var/cache/ember \
     TORCH_EXTENSIONS_DIR=/var/cache/ember/torch_extensions \
     EMBER_SHUTDOWN_GRACE_SECONDS=8 \
-    OMP_WAIT_POLICY=PASSIVE \
+    GOMP_SPINCOUNT=10000 \
     HF_HUB_OFFLINE=1 \
     PYTHONUNBUFFERED=1
 
