@@ -169,3 +169,26 @@ def test_parsers_hold_only_builtin_defaults(monkeypatch: pytest.MonkeyPatch) -> 
     _, commands, _ = build_parser()
     assert commands["generate"].get_default("dtype") == "bfloat16"
     assert isinstance(commands["serve"], argparse.ArgumentParser)
+
+
+@pytest.mark.parametrize("preset,want_spin", [({}, "10000"), ({"OMP_WAIT_POLICY": "PASSIVE"}, None),
+                                              ({"GOMP_SPINCOUNT": "0"}, "0")])
+def test_openmp_spin_default_yields_to_an_explicit_choice(monkeypatch: pytest.MonkeyPatch,
+                                                          preset: dict[str, str], want_spin: str | None) -> None:
+    from server import cli
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # set-then-delete: monkeypatch restores the original
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for k, v in preset.items():
+        monkeypatch.setenv(k, v)
+    cli._set_thread_env()
+    assert cli.os.environ.get("GOMP_SPINCOUNT") == want_spin
+    assert cli.os.environ.get("OMP_WAIT_POLICY") == preset.get("OMP_WAIT_POLICY")
+
+
+def test_compile_cache_defaults_under_xdg_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from server import cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli._default_cache_dir() == str(tmp_path / "ember")

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #if defined(__AVX512BF16__)
@@ -24,6 +25,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // output columns per packed block (two zmm of fp32 accumulators)
 constexpr int kMaxRows = 12;    // rows per micro-tile: 12 x 2 accumulators + 2 weight vectors fit the 32 zmm
+constexpr int64_t kRunsPerThread = 4;  // work-sharing granularity: runs of blocks per thread per call
 constexpr int64_t kPrefetchBytes = 1024;  // prefetch distance in the weight stream (measured: 512-4096)
 
 #if defined(__AVX512BF16__)
@@ -104,9 +106,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed, int64_t 
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>());
   const c10::BFloat16* wp = w_packed.data_ptr<c10::BFloat16>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  // Threads split the output columns, so each streams one contiguous stretch of the packed weight; a block's
-  // weights (K * 64 bytes) stay in L2 while every row tile of x passes over them.
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  // Threads take contiguous runs of output blocks from a shared counter rather than one fixed half each: on a
+  // 2-core machine the HTTP thread regularly preempts one compute thread for a moment, and with a static split
+  // the whole call (and the decode step) waits for it. A run streams a contiguous stretch of packed weight;
+  // a block's weights (K * 64 bytes) stay in L2 while every row tile of x passes over them.
+  auto run_blocks = [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t ncols = std::min(kBlock, n - b * kBlock);
       const c10::BFloat16* wb = wp + b * k2 * 2 * kBlock;
@@ -115,7 +119,18 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed, int64_t 
         kTileFor[mt](xp + m0 * k2, k2, wb, k2, op + m0 * n + b * kBlock, n, ncols);
       }
     }
-  });
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  if (threads <= 1 || at::in_parallel_region()) {
+    run_blocks(0, blocks);
+  } else {
+    const int64_t run = std::max<int64_t>(1, blocks / (threads * kRunsPerThread));
+    std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+    for (int64_t b0 = next.fetch_add(run); b0 < blocks; b0 = next.fetch_add(run)) {
+      run_blocks(b0, std::min(b0 + run, blocks));
+    }
+  }
 #endif
   return out;
 }
