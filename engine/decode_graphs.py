@@ -9,8 +9,6 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +19,7 @@ import torch._dynamo.utils
 import torch._inductor.config
 
 import kernels_fake  # noqa: F401  (fake kernels must exist before tracing ember:: ops)
+from engine.files import write_atomically
 
 log = logging.getLogger("ember.compile")
 
@@ -37,7 +36,7 @@ class DecodeGraphs:
         artifact_dir (unfrozen graphs only): where each bucket's whole compiled step is saved (dynamo's
         `aot_compile`) and loaded from on the next start. A warm inductor cache alone still re-traces the model
         with dynamo every start (~2-5 s per bucket); loading an artifact takes well under a second. The caller
-        names the folder after everything the graphs depend on (engine/model_runner.py decode_artifact_dir)."""
+        names the folder after everything the graphs depend on (ModelRunner._decode_artifact_dir)."""
         self.step, self.buckets, self.compiled = step, tuple(sorted(buckets)), compile
         self.cpp_wrapper, self.freeze = cpp_wrapper, freeze
         self.artifact_dir = artifact_dir if compile and not freeze else None
@@ -117,15 +116,7 @@ class DecodeGraphs:
         # Dynamo's guards re-check every input's shape, stride and dtype on each call (~1.5 % of a batch-1 step in
         # a py-spy profile); `run` always passes the same static buffers, the same pools and no_grad, so skip them.
         fn.disable_guard_check()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            fn.save_compiled_function(tmp)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)  # atomic: a concurrent or interrupted start never sees half a file
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        write_atomically(path, fn.save_compiled_function)
         bound = functools.partial(fn, self.step)
         self._run_padding_only(bs, args, bound)
         return bound, f"compiled ahead of time, saved to {path}"

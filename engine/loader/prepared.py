@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.files import write_atomically
 from engine.loader.model_config import ModelConfig
 from engine.model.llama import LlamaModel
 
@@ -91,17 +92,8 @@ class PreparedModel:
         return True
 
     def save_weights(self, model: LlamaModel, dtype: torch.dtype) -> None:
-        path = self._weights_path(dtype, model.packed)
         tensors = {n: p.data for n, p in model.named_parameters()}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp)
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared cache volume is read by other users
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        write_atomically(self._weights_path(dtype, model.packed), lambda tmp: save_file(tensors, tmp))
 
     @staticmethod
     def _publish(target: Path, write: Callable[[Path], object], marker: str | None) -> None:
