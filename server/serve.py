@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 from types import FrameType
@@ -78,10 +79,12 @@ class DrainingServer(uvicorn.Server):
             self.exit_code, self.should_exit, self.force_exit = 1, True, True
             return
         self._signalled = True
-        self._loop.call_soon_threadsafe(self._begin_drain)
+        self._loop.call_soon_threadsafe(self._begin_drain, sig)
 
-    def _begin_drain(self) -> None:
+    def _begin_drain(self, sig: int) -> None:
         from server.app import start_drain
+
+        log.info("received %s", signal.Signals(sig).name)  # says which signal a drain answers
 
         self._drain = start_drain(self.app, lambda: self.stop(0))
         if self._drain is None:  # not started yet: nothing to drain
