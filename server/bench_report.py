@@ -25,7 +25,9 @@ def _mean(values: Sequence[float]) -> float:
 
 
 @dataclass(frozen=True)
-class BenchReport:
+class RunInfo:
+    """What was run: the workload and where it went."""
+
     label: str
     base_url: str
     model: str
@@ -33,8 +35,14 @@ class BenchReport:
     prompt_len: int
     max_tokens: int
     prompt_source: str  # which endpoint tokenized the prompts, or "random"
-    requests: int  # measured requests sent (warm-up excluded)
     warmup_requests: int
+
+
+@dataclass(frozen=True)
+class BenchReport(RunInfo):
+    """The run plus what was measured; its JSON is one flat object (server/bench_compare.py reads it by key)."""
+
+    requests: int  # measured requests sent (warm-up excluded)
     errors: int
     output_tokens: int  # over requests without error
     tokens_from: str  # "usage", "chunks", or "mixed"
@@ -59,18 +67,6 @@ class BenchReport:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
 
 
-@dataclass(frozen=True)
-class RunInfo:
-    label: str
-    base_url: str
-    model: str
-    concurrency: int
-    prompt_len: int
-    max_tokens: int
-    prompt_source: str
-    warmup_requests: int
-
-
 def summarize(info: RunInfo, results: Sequence[RequestResult], wall_s: float, peak_rss_bytes: int | None,
               server_cpu_s: float | None, client_cpu_s: float, other_cpu_s: float | None) -> BenchReport:
     ok = [r for r in results if r.error is None]
@@ -81,9 +77,7 @@ def summarize(info: RunInfo, results: Sequence[RequestResult], wall_s: float, pe
     out_tokens = sum(r.output_tokens for r in ok)
     errors = [r.error for r in results if r.error is not None]
     return BenchReport(
-        label=info.label, base_url=info.base_url, model=info.model, concurrency=info.concurrency,
-        prompt_len=info.prompt_len, max_tokens=info.max_tokens, prompt_source=info.prompt_source,
-        requests=len(results), warmup_requests=info.warmup_requests, errors=len(errors), output_tokens=out_tokens,
+        **asdict(info), requests=len(results), errors=len(errors), output_tokens=out_tokens,
         tokens_from=sources.pop() if len(sources) == 1 else ("mixed" if sources else "none"),
         mean_prompt_tokens=_mean([float(c) for c in prompt_counts]), wall_s=wall_s,
         output_tokens_per_s=out_tokens / wall_s if wall_s > 0 else math.nan,
