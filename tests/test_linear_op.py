@@ -39,6 +39,22 @@ def test_linear_matches_fp32_matmul(m: int, n: int, k: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 3, 7])
+def test_linear_computes_every_block_under_any_thread_count(threads: int) -> None:
+    # More threads than cores: owners get preempted mid-range and others take blocks from the back of their
+    # ranges. A block that no thread computed would leave its columns as uninitialised memory.
+    g = torch.Generator().manual_seed(threads)
+    w, x = _bf16(32 * 37 + 5, 128, g=g), _bf16(2, 128, g=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(20):
+            _check(x, w)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 def test_linear_takes_batched_and_strided_input() -> None:
     g = torch.Generator().manual_seed(7)
     w = _bf16(70, 96, g=g)
