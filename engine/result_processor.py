@@ -11,7 +11,7 @@ import torch
 
 from engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from engine.request import ReqStatus, Request
-from engine.sampler import SamplingBatch, sample
+from engine.sampler import SamplingBatch, argmax_rows, sample
 
 
 class ResultProcessor:
@@ -26,6 +26,13 @@ class ResultProcessor:
         return eos + tuple(req.params.stop_token_ids)
 
     def sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        now = time.monotonic()
+        if all(r.params.plain_greedy for r in reqs) and not any(self._banned(r) for r in reqs):
+            # The common serving case needs only the argmax: skip building the [B]-tensor sampling batch (its
+            # dozen small tensors cost more than the argmax itself).
+            for req, token in zip(reqs, argmax_rows(logits[:, : self.vocab_size]).tolist()):
+                self._append(req, token, None, now)
+            return
         batch = SamplingBatch.build(
             [r.params for r in reqs],
             [r.output_ids for r in reqs],
@@ -40,7 +47,6 @@ class ResultProcessor:
         lps = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        now = time.monotonic()
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             lp = None
             if req.params.logprobs and lps is not None:

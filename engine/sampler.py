@@ -26,9 +26,6 @@ import torch
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-# Temperatures below this sample greedily (as vLLM): the tempered distribution is already a point mass to float32
-# precision, and dividing by a much smaller one can overflow to inf and give NaN weights.
-_GREEDY_BELOW = 1e-5
 
 
 def row_seed(seed: int, step: int) -> int:
@@ -78,7 +75,7 @@ def _floats(values: list[float]) -> torch.Tensor:
 @dataclass(frozen=True)
 class SamplingBatch:
     vocab_size: int
-    temperatures: torch.Tensor  # [B] float32; below _GREEDY_BELOW (0 included) = greedy
+    temperatures: torch.Tensor  # [B] float32; below GREEDY_BELOW (0 included) = greedy
     top_k: torch.Tensor  # [B] int64; vocab_size when disabled
     top_p: torch.Tensor  # [B] float32; 1 = disabled
     min_p: torch.Tensor  # [B] float32; 0 = disabled
@@ -132,7 +129,7 @@ class SamplingBatch:
             bias = (*_index_pairs([tuple(p.logit_bias) for p in params], vocab_size), _floats(values))
         if banned is not None and any(banned):
             ban = _index_pairs(banned, vocab_size)
-        greedy = [p.temperature < _GREEDY_BELOW for p in params]
+        greedy = [p.greedy for p in params]
         random_rows = [i for i in range(n) if not greedy[i]]
         return SamplingBatch(
             vocab_size=vocab_size,
@@ -190,6 +187,12 @@ def _uniforms(draw_seeds: tuple[int | None, ...]) -> torch.Tensor:
         if seed is not None:
             u[i] = torch.rand(1, generator=torch.Generator().manual_seed(seed))[0]
     return u
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index, as torch.argmax, through numpy: torch's CPU argmax over [B, 49152] float32
+    logits measured ~60 us at B = 1 and ~3 ms at B = 32 on the 2-core machine, numpy's 4 us and 0.12 ms."""
+    return torch.from_numpy(logits.float().numpy().argmax(axis=-1))
 
 
 def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
@@ -288,11 +291,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     if logits.shape != (batch.size, batch.vocab_size):
         raise ValueError(f"logits shape {tuple(logits.shape)} != ({batch.size}, {batch.vocab_size})")
     if len(batch.random_rows) == 0 and not batch.processes_logits:
-        return _logprobs(logits, logits.argmax(dim=-1), batch)  # fast path: plain greedy
+        return _logprobs(logits, argmax_rows(logits), batch)  # fast path: plain greedy
     processed = process_logits(logits, batch) if batch.processes_logits else logits
     tokens = torch.empty(batch.size, dtype=torch.int64)
     if len(batch.greedy_rows):
-        tokens[batch.greedy_rows] = processed[batch.greedy_rows].argmax(dim=-1)
+        tokens[batch.greedy_rows] = argmax_rows(processed[batch.greedy_rows])
     if len(batch.random_rows):
         every_row = len(batch.random_rows) == batch.size
         tokens[batch.random_rows] = _sample_rows(processed if every_row else processed[batch.random_rows], batch)

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily (as vLLM): the tempered distribution is already a point mass to float32
+# precision, and dividing by a much smaller one can overflow to inf and give NaN weights.
+GREEDY_BELOW = 1e-5
+
 
 class SamplingParamsError(ValueError):
     """A sampling field is out of range; `param` names the offending field."""
@@ -56,4 +60,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that edits or reports the logits: the next token is the plain argmax."""
+        return (self.greedy and self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0
+                and self.presence_penalty == 0.0 and not self.logit_bias and not self.logprobs
+                and self.top_logprobs == 0)

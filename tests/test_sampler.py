@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SamplingBatch, process_logits, sample
+from engine.sampler import SamplingBatch, argmax_rows, process_logits, sample
 from engine.sampling_params import SamplingParams
 
 V = 64
@@ -43,6 +43,25 @@ def test_greedy_is_argmax() -> None:
     logits = torch.randn(6, V)
     batch = build([SamplingParams(temperature=0.0)] * 6)
     assert torch.equal(sample(logits, batch).token_ids, logits.argmax(-1))
+
+
+def test_argmax_rows_takes_the_first_maximum_like_torch() -> None:
+    logits = torch.randn(5, 2 * V)[:, ::2]  # strided, as the sliced logits of a padded vocabulary are
+    logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # a tie: the lower index wins
+    logits[2, :] = 0.0
+    logits[3, 11] = math.inf
+    got = argmax_rows(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(-1)) and got[1] == 3 and got[2] == 0 and got[3] == 11
+    assert torch.equal(argmax_rows(logits.bfloat16()), logits.bfloat16().argmax(-1))
+
+
+def test_plain_greedy_is_only_greedy_without_logit_edits_or_logprobs() -> None:
+    assert SamplingParams(temperature=0.0).plain_greedy and SamplingParams(temperature=1e-6).plain_greedy
+    for p in (SamplingParams(temperature=0.5), SamplingParams(temperature=0.0, repetition_penalty=1.1),
+              SamplingParams(temperature=0.0, presence_penalty=0.5), SamplingParams(temperature=0.0, logit_bias={1: 2.0}),
+              SamplingParams(temperature=0.0, logprobs=True), SamplingParams(temperature=0.0, top_logprobs=2)):
+        assert not p.plain_greedy, p
 
 
 def test_greedy_rows_in_mixed_batch_are_argmax() -> None:
