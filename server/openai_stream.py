@@ -21,7 +21,7 @@ from server.protocol import (
     CompletionChoice,
     CompletionChunk,
 )
-from server.sse import DONE, error_event, event
+from server.sse import DONE, ChunkFrame, error_event, event
 
 
 @dataclass(frozen=True)
@@ -62,16 +62,22 @@ def chat_events(spec: StreamSpec, outputs: TaggedOutputs,
             c.usage = None  # OpenAI sends "usage": null on every chunk but the last when usage is asked for
         return c
 
+    frame = ChunkFrame(spec.request_id, "chat.completion.chunk", spec.created, spec.model, spec.include_usage)
+
     async def body() -> AsyncGenerator[str, None]:
         for i in range(spec.n):
             yield event(chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""),
                                                logprobs=None, finish_reason=None)))
         async with aclosing(outputs) as outs:
             async for _, out in outs:
-                lps = ChatLogprobs(content=chat_logprobs(strings, out.logprobs or ())) if spec.logprobs else None
-                if out.text or (lps is not None and lps.content):
-                    yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(content=out.text), logprobs=lps,
-                                                       finish_reason=None)))
+                if not spec.logprobs:
+                    if out.text:
+                        yield frame.chat_content(out.index, out.text)
+                else:
+                    lps = ChatLogprobs(content=chat_logprobs(strings, out.logprobs or ()))
+                    if out.text or lps.content:
+                        yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(content=out.text),
+                                                           logprobs=lps, finish_reason=None)))
                 if out.finish_reason is not None:
                     done_tokens[out.index] = out.completion_tokens
                     yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(), logprobs=None,
@@ -94,19 +100,25 @@ def completion_events(spec: StreamSpec, outputs: TaggedOutputs,
             c.usage = None
         return c
 
+    frame = ChunkFrame(spec.request_id, "text_completion", spec.created, spec.model, spec.include_usage)
+
     async def body() -> AsyncGenerator[str, None]:
         async with aclosing(outputs) as outs:
             async for prompt_idx, out in outs:
                 index = prompt_idx * spec.n + out.index
-                builder = builders.setdefault(index, CompletionLogprobsBuilder(strings))
                 text, echoed = out.text, list[int]()
                 if echo is not None and index not in started:
                     prompt_text, echoed = echo[prompt_idx]
                     text = prompt_text + text
-                lps = builder.add(out.logprobs or (), echoed) if spec.logprobs else None
                 started.add(index)
                 if out.finish_reason is not None:
                     done_tokens[index] = out.completion_tokens
+                if not spec.logprobs:
+                    yield frame.completion(index, text, out.finish_reason, out.stop_reason)
+                    continue
+                if index not in builders:
+                    builders[index] = CompletionLogprobsBuilder(strings)
+                lps = builders[index].add(out.logprobs or (), echoed)
                 yield event(chunk(CompletionChoice(index=index, text=text, logprobs=lps,
                                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)))
 

@@ -25,6 +25,36 @@ def event(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def _json(value: str | int | None) -> str:
+    # What pydantic writes for these: UTF-8 as is, only quotes, backslashes and control characters escaped.
+    return json.dumps(value, ensure_ascii=False)
+
+
+class ChunkFrame:
+    """The per-token events of one stream, rendered without pydantic.
+
+    A streamed token's event is serialized on the event loop while the engine thread waits for the GIL; building
+    and dumping a pydantic chunk per token was the largest item there (py-spy, one client). The constant head
+    (id, object, created, model) is rendered once; each event adds one choice. The output is byte-identical to
+    the pydantic chunk dumped by `event` (tests/test_sse.py); chunks with logprobs, and the once-per-stream
+    role and finish chunks of chat, still go through the models.
+    """
+
+    def __init__(self, request_id: str, object_name: str, created: int, model: str, include_usage: bool) -> None:
+        head = json.dumps({"id": request_id, "object": object_name, "created": created, "model": model},
+                          ensure_ascii=False, separators=(",", ":"))
+        self._head = f'data: {head[:-1]},"choices":['
+        self._tail = '],"usage":null}\n\n' if include_usage else "]}\n\n"
+
+    def completion(self, index: int, text: str, finish_reason: str | None, stop_reason: str | int | None) -> str:
+        return (f'{self._head}{{"index":{index},"text":{_json(text)},"logprobs":null,'
+                f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(stop_reason)}}}{self._tail}')
+
+    def chat_content(self, index: int, text: str) -> str:
+        return (f'{self._head}{{"index":{index},"delta":{{"content":{_json(text)}}},"logprobs":null,'
+                f'"finish_reason":null}}{self._tail}')
+
+
 def error_event(exc: Exception) -> str:
     """An error that happens after the 200 has been sent: OpenAI's error shape as one event."""
     known = known_error(exc)
