@@ -93,6 +93,11 @@ def _hf_decode_tps(config: EngineConfig, batches: list[int], prompt_len: int, st
     return result
 
 
+def _cell(value: float | None, width: int, fmt: str) -> str:
+    """A table cell; "-" for a baseline that was skipped."""
+    return f"{value:>{width}{fmt}}" if value else f"{'-':>{width}}"
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from server.cli import engine_config_from_args
 
@@ -110,8 +115,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"{'batch':>5} {'ember compiled':>15} {'ember eager':>12} {'transformers':>13} {'vs hf':>7} {'vs eager':>9}")
     for b in batches:
         c, e, h = compiled[b], eager.get(b), hf.get(b)
-        print(f"{b:>5} {c:>15.1f} {e or float('nan'):>12.1f} {h or float('nan'):>13.1f} "
-              f"{(c / h) if h else float('nan'):>6.2f}x {(c / e) if e else float('nan'):>8.2f}x")
+        print(f"{b:>5} {c:>15.1f} {_cell(e, 12, '.1f')} {_cell(h, 13, '.1f')} {_cell(h and c / h, 6, '.2f')}x "
+              f"{_cell(e and c / e, 8, '.2f')}x")
     print("compile seconds per bucket:", {b: round(s, 1) for b, s in sorted(compile_s.items())})
     if args.json:
         with open(args.json, "w") as f:
