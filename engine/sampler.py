@@ -204,8 +204,10 @@ def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
 def _top_p_threshold(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per row [R, 1]: the weight of the last token of the smallest most-likely set whose mass reaches top_p.
 
-    Ranking the whole vocabulary costs ~1 ms a row (numpy sort), the best 64 of 32 rows ~4 ms in all, so rank
-    the best 64 first and sort only the rows whose set does not end among them (flat, high-temperature rows).
+    Ranking the whole vocabulary costs ~1 ms a row (numpy sort), so rank the best 64 first (~2 ms for 32 rows),
+    then the best 2048 of the rows whose set did not end there, and sort only what is left (flat, high-temperature
+    rows). With SmolLM2's logits at temperature 1 and top_p 0.95 the sets held 3-1186 tokens (median 114); the
+    2048 stage took a 32-row step from 29 to 12 ms.
     The cumulative mass over the best k is a prefix of the full ranking's, and tied weights sum the same in any
     order, so the threshold depends on neither the stage, nor the order among ties, nor the other rows.
     """
@@ -213,7 +215,7 @@ def _top_p_threshold(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor
     need = top_p[:, None] * weights.sum(dim=-1, keepdim=True)
     threshold = torch.empty_like(need)
     todo = torch.arange(len(weights))
-    for k in (min(64, vocab), vocab):
+    for k in sorted({min(64, vocab), min(2048, vocab), vocab}):
         rows = weights if len(todo) == len(weights) else weights[todo]
         best = rows.topk(k, dim=-1).values if k < vocab else _sorted_descending(rows)
         mass = best.cumsum(dim=-1)

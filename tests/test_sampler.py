@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SamplingBatch, argmax_rows, process_logits, sample
+from engine.sampler import SamplingBatch, _top_p_threshold, argmax_rows, process_logits, sample
 from engine.sampling_params import SamplingParams
 
 V = 64
@@ -313,3 +313,19 @@ def test_tiny_temperature_is_greedy() -> None:
     logits = torch.randn(4, V) * 50
     params = [SamplingParams(temperature=1e-7)] * 2 + [SamplingParams(temperature=1e-7, top_p=0.5)] * 2
     assert torch.equal(sample(logits, build(params)).token_ids, logits.argmax(-1))
+
+
+def test_top_p_threshold_is_the_full_ranking_s_at_every_stage() -> None:
+    # Rows whose top-p set ends within the best 64, within the best 2048, and beyond (full sort), in one batch.
+    vocab = 6000
+    g = torch.Generator().manual_seed(3)
+    weights = torch.rand(3, vocab, generator=g) * 1e-3
+    weights[0, :10] = 1.0
+    weights[1, :500] = 1.0
+    weights[2] = torch.rand(vocab, generator=g)
+    top_p = torch.tensor([0.9, 0.9, 0.9])
+    got = _top_p_threshold(weights, top_p)
+    for r in range(3):
+        ranked = weights[r].sort(descending=True).values
+        kept = int(((ranked.cumsum(0) - ranked) < top_p[r] * weights[r].sum()).sum())
+        assert got[r, 0] == ranked[kept - 1], r
