@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
 import anyio
@@ -27,7 +28,10 @@ def event(payload: BaseModel | dict[str, Any]) -> str:
 
 def _json(value: str | int | None) -> str:
     # What pydantic writes for these: UTF-8 as is, only quotes, backslashes and control characters escaped.
-    return json.dumps(value, ensure_ascii=False)
+    # encode_basestring is the C escaper json.dumps(ensure_ascii=False) ends in, minus ~1 us of dispatch.
+    if isinstance(value, str):
+        return encode_basestring(value)
+    return "null" if value is None else str(value)
 
 
 class ChunkFrame:
