@@ -72,3 +72,26 @@ def test_extend_attention_is_causal_over_prefix() -> None:
         return torch.cat(outs)
 
     torch.testing.assert_close(run([(0, 4), (4, 6)]), run([(0, 6)]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_extend_attention_of_whole_prompts_equals_causal_sdpa(dtype: torch.dtype, tol: float) -> None:
+    # Two whole prompts in one chunk (the path that reads k/v directly, not through the pool), GQA 9 -> 3 heads.
+    g = torch.Generator().manual_seed(2)
+    heads, kvh, dim, lens = 9, 3, 64, [5, 7]
+    n = sum(lens)
+    q, k, v = (torch.randn(n, h, dim, generator=g).to(dtype) for h in (heads, kvh, kvh))
+    kc, vc = torch.zeros(n + 1, kvh, dim, dtype=dtype), torch.zeros(n + 1, kvh, dim, dtype=dtype)
+    table = torch.zeros(3, 16, dtype=torch.int32)
+    table[1, :5], table[2, :7] = torch.arange(1, 6), torch.arange(6, 13)
+    out = torch.ops.ember.extend_attention(q, k, v, kc, vc, torch.arange(1, n + 1), table, torch.tensor([1, 2]),
+                                           torch.tensor([0, 0]), torch.tensor(lens), 0.125)
+    assert torch.equal(kc[1:], k) and torch.equal(vc[1:], v)  # the pool got this chunk's K/V
+    start = 0
+    for length in lens:
+        sl = slice(start, start + length)
+        qs, ks, vs = (t[sl].float().transpose(0, 1) for t in (q, k, v))
+        want = F.scaled_dot_product_attention(qs, ks.repeat_interleave(3, 0), vs.repeat_interleave(3, 0),
+                                              is_causal=True, scale=0.125).transpose(0, 1)
+        torch.testing.assert_close(out[sl].float(), want, atol=tol, rtol=tol)
+        start += length
