@@ -27,7 +27,8 @@ class ResultProcessor:
 
     def sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
         now = time.monotonic()
-        if all(r.params.plain_greedy for r in reqs) and not any(self._banned(r) for r in reqs):
+        banned = [self._banned(r) for r in reqs]
+        if not any(banned) and all(r.params.plain_greedy for r in reqs):
             # The common serving case needs only the argmax: skip building the [B]-tensor sampling batch (its
             # dozen small tensors cost more than the argmax itself).
             for req, token in zip(reqs, argmax_rows(logits[:, : self.vocab_size]).tolist()):
@@ -40,7 +41,7 @@ class ResultProcessor:
             [r.seed for r in reqs],
             [len(r.output_ids) for r in reqs],
             self.vocab_size,
-            banned=[self._banned(r) for r in reqs],
+            banned=banned,
         )
         result = sample(logits[:, : self.vocab_size], batch)
         tokens = result.token_ids.tolist()
