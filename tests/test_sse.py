@@ -5,15 +5,15 @@ import json
 
 import pytest
 
-from server.protocol import ChatCompletionChunk, ChatDelta, ChatStreamChoice, CompletionChoice, CompletionChunk
-from server.sse import ChunkFrame, event
+from server.api.protocol import ChatCompletionChunk, ChatDelta, ChatStreamChoice, CompletionChoice, CompletionChunk
+from server.api.sse import ChunkFrame, event
 
 TEXTS = ["", " hello", 'quote " and back\\slash', "new\nline\ttab\r\x01\x1f\x7f", "é€😀", "\u2028\u2029", "</script>"]
 
 
 def _pydantic(chunk: CompletionChunk | ChatCompletionChunk, include_usage: bool) -> str:
     if include_usage:
-        chunk.usage = None  # as server/openai_stream.py sets it on every chunk but the last
+        chunk.usage = None  # as server/api/openai_stream.py sets it on every chunk but the last
     return event(chunk)
 
 

@@ -15,13 +15,13 @@ from fastapi import Depends, FastAPI
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
-from server import routes_native, routes_openai, routes_ops
-from server.auth import require_api_key
-from server.errors import install_error_handlers
-from server.limits import BodySizeLimitMiddleware
-from server.metrics import ServerMetrics
-from server.settings import ServerSettings
-from server.state import ServerState
+from server.api import routes_native, routes_openai, routes_ops
+from server.api.auth import require_api_key
+from server.api.errors import install_error_handlers
+from server.api.limits import BodySizeLimitMiddleware
+from server.api.metrics import ServerMetrics
+from server.api.settings import ServerSettings
+from server.api.state import ServerState
 
 log = logging.getLogger("ember.server")
 ExitHook = Callable[[int], None]

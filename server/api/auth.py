@@ -9,7 +9,7 @@ import secrets
 
 from fastapi import Request
 
-from server.errors import APIError
+from server.api.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from server.errors import APIError, unavailable
-from server.state import ServerState
+from server.api.errors import APIError, unavailable
+from server.api.state import ServerState
 
 
 def get_state(request: Request) -> ServerState:

@@ -19,8 +19,8 @@ from fastapi import Request
 from engine.client import QueueFullError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from server.errors import ClientDisconnected, unavailable
-from server.state import ServerState
+from server.api.errors import ClientDisconnected, unavailable
+from server.api.state import ServerState
 
 log = logging.getLogger("ember.requests")
 T = TypeVar("T")

@@ -11,7 +11,7 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body
+from server.api.errors import error_body
 
 
 def _too_large(limit: int) -> str:

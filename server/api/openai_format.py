@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from engine.outputs import RequestOutput, TokenLogprob
-from server.protocol import CompletionLogprobs, TokenLogprobInfo, TopLogprob, UsageInfo
+from server.api.protocol import CompletionLogprobs, TokenLogprobInfo, TopLogprob, UsageInfo
 
 # JSON has no -inf; vLLM clamps the same way, so clients see a very unlikely token rather than a parse error.
 MIN_LOGPROB = -9999.0
@@ -53,7 +53,7 @@ class CompletionLogprobsBuilder:
         return self._extend(rows)
 
     def _extend(self, rows: list[tuple[int, float | None, dict[str, float] | None]]) -> CompletionLogprobs:
-        # All four fields passed explicitly: stream chunks are serialized with exclude_unset (server/sse.py).
+        # All four fields passed explicitly: stream chunks are serialized with exclude_unset (server/api/sse.py).
         delta = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for token_id, logprob, top in rows:
             text = self._strings(token_id)

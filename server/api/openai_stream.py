@@ -11,9 +11,9 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from server.generation import TaggedOutputs
-from server.openai_format import CompletionLogprobsBuilder, TokenStrings, chat_logprobs, usage
-from server.protocol import (
+from server.api.generation import TaggedOutputs
+from server.api.openai_format import CompletionLogprobsBuilder, TokenStrings, chat_logprobs, usage
+from server.api.protocol import (
     ChatCompletionChunk,
     ChatDelta,
     ChatLogprobs,
@@ -21,7 +21,7 @@ from server.protocol import (
     CompletionChoice,
     CompletionChunk,
 )
-from server.sse import DONE, ChunkFrame, error_event, event
+from server.api.sse import DONE, ChunkFrame, error_event, event
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def chat_events(spec: StreamSpec, outputs: TaggedOutputs,
     done_tokens: dict[int, int] = {}
 
     def chunk(*choices: ChatStreamChoice) -> ChatCompletionChunk:
-        # Every field passed explicitly: events are serialized with exclude_unset (see server/sse.py).
+        # Every field passed explicitly: events are serialized with exclude_unset (see server/api/sse.py).
         c = ChatCompletionChunk(id=spec.request_id, object="chat.completion.chunk", created=spec.created,
                                 model=spec.model, choices=list(choices))
         if spec.include_usage:

@@ -10,9 +10,9 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from engine.sampling_params import SamplingParams
-from server.errors import APIError
-from server.protocol import ChatMessage, SamplingFields
-from server.state import ServerState
+from server.api.errors import APIError
+from server.api.protocol import ChatMessage, SamplingFields
+from server.api.state import ServerState
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response models (with the vLLM / SGLang sampling extras).
 
 Requests ignore unknown fields, as OpenAI's and vLLM's servers do, so newer clients keep working; a field we
-know with a value of the wrong type is a 400 (see server/errors.py). Ranges are checked once, by
+know with a value of the wrong type is a 400 (see server/api/errors.py). Ranges are checked once, by
 engine.sampling_params.SamplingParams, so the API and the engine can never disagree about them.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.protocol import ChatMessage
+from server.api.protocol import ChatMessage
 
 
 class _Request(BaseModel):

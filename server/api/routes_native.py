@@ -10,13 +10,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.sampling_params import SamplingParams
-from server.deps import check_model, get_state
-from server.errors import APIError
-from server.generation import TaggedOutputs, check_admission, generate, merge, unless_disconnected
-from server.openai_format import ChoiceResult, clamp
-from server.prompts import encode, in_tokenizer_thread, message_dicts, render_chat, sampling_params
-from server.protocol import SamplingFields
-from server.protocol_native import (
+from server.api.deps import check_model, get_state
+from server.api.errors import APIError
+from server.api.generation import TaggedOutputs, check_admission, generate, merge, unless_disconnected
+from server.api.openai_format import ChoiceResult, clamp
+from server.api.prompts import encode, in_tokenizer_thread, message_dicts, render_chat, sampling_params
+from server.api.protocol import SamplingFields
+from server.api.protocol_native import (
     DetokenizeRequest,
     DetokenizeResponse,
     GenerateMeta,
@@ -26,8 +26,8 @@ from server.protocol_native import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.sse import DONE, HEADERS, EventStreamResponse, error_event
-from server.state import ServerState
+from server.api.sse import DONE, HEADERS, EventStreamResponse, error_event
+from server.api.state import ServerState
 
 router = APIRouter()
 

@@ -8,13 +8,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.sampling_params import SamplingParams
-from server.deps import check_model, get_state
-from server.errors import APIError
-from server.generation import TaggedOutputs, check_admission, generate, merge, unless_disconnected
-from server.openai_format import ChoiceResult, CompletionLogprobsBuilder, TokenStrings, chat_logprobs, usage
-from server.openai_stream import StreamSpec, chat_events, completion_events
-from server.prompts import encode, in_tokenizer_thread, message_dicts, render_chat, sampling_params, split_prompts
-from server.protocol import (
+from server.api.deps import check_model, get_state
+from server.api.errors import APIError
+from server.api.generation import TaggedOutputs, check_admission, generate, merge, unless_disconnected
+from server.api.openai_format import ChoiceResult, CompletionLogprobsBuilder, TokenStrings, chat_logprobs, usage
+from server.api.openai_stream import StreamSpec, chat_events, completion_events
+from server.api.prompts import encode, in_tokenizer_thread, message_dicts, render_chat, sampling_params, split_prompts
+from server.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -24,8 +24,8 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from server.sse import HEADERS, EventStreamResponse
-from server.state import ServerState
+from server.api.sse import HEADERS, EventStreamResponse
+from server.api.state import ServerState
 
 router = APIRouter()
 

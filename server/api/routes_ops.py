@@ -16,11 +16,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.sampling_params import SamplingParams
-from server.deps import get_state
-from server.errors import APIError, error_response
-from server.metrics import CONTENT_TYPE
-from server.protocol import ModelCard, ModelList
-from server.state import ServerState
+from server.api.deps import get_state
+from server.api.errors import APIError, error_response
+from server.api.metrics import CONTENT_TYPE
+from server.api.protocol import ModelCard, ModelList
+from server.api.state import ServerState
 
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 30.0

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.errors import error_body, known_error
+from server.api.errors import error_body, known_error
 
 log = logging.getLogger("ember.server")
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from engine.client import EngineClient
 from engine.core import EngineCore
-from server.metrics import ServerMetrics
-from server.settings import ServerSettings
+from server.api.metrics import ServerMetrics
+from server.api.settings import ServerSettings
 
 log = logging.getLogger("ember.server")
 

@@ -1,7 +1,7 @@
 """The comparison table of scripts/bench_peers.py: `ember bench` JSON reports of several servers, repeated runs
 folded into their median, and Ember's ratio to each peer.
 
-Also a command, to print the table again from saved reports: `python -m server.bench_compare DIR [--ref ember]`.
+Also a command, to print the table again from saved reports: `python -m server.bench.compare DIR [--ref ember]`.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def load_reports(folder: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.bench_compare", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m server.bench.compare", description=__doc__)
     p.add_argument("folder", type=Path, help="folder of `ember bench --json` reports")
     p.add_argument("--ref", default="ember", help="the server whose ratios to print (default: %(default)s)")
     args = p.parse_args(argv)

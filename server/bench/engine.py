@@ -98,11 +98,10 @@ def _cell(value: float | None, width: int, fmt: str) -> str:
     return f"{value:>{width}{fmt}}" if value else f"{'-':>{width}}"
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from server.cli import engine_config_from_args
-
+def run_bench(config: EngineConfig, args: argparse.Namespace) -> int:
+    """`config`: the engine flags as given; the buckets, batch and pool sizes are set from the benchmark's own."""
     batches = sorted(int(x) for x in args.batches.split(","))
-    base = replace(engine_config_from_args(args), decode_buckets=tuple(batches), max_running_requests=max(batches),
+    base = replace(config, decode_buckets=tuple(batches), max_running_requests=max(batches),
                    max_total_tokens=max(batches) * (args.prompt_len + args.output_len + 8))
     report: dict[str, object] = {"dtype": base.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len}
     compiled, compile_s = _ember_decode_tps(base, batches, args.prompt_len, args.output_len)

@@ -2,8 +2,8 @@
 
 N client tasks each send one streaming /v1/completions request at a time until the measured requests run out,
 so N requests are in flight at every moment but the tail. Every request has a prompt of exactly P tokens
-(bench_prompts) and produces exactly M tokens (`ignore_eos`, greedy). Warm-up requests run first, at the same
-concurrency, and are not counted; the server's process tree is monitored throughout (bench_rss).
+(prompts.py) and produces exactly M tokens (`ignore_eos`, greedy). Warm-up requests run first, at the same
+concurrency, and are not counted; the server's process tree is monitored throughout (rss.py).
 
 This module imports neither torch nor the engine: the client shares the machine with the server it measures.
 """
@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import httpx
 import psutil
 
-from server.bench_client import RequestResult, RequestSpec, stream_completion
-from server.bench_prompts import PromptError, build_prompts
-from server.bench_report import BenchReport, RunInfo, format_table, summarize, write_json
-from server.bench_rss import ServerMonitor
+from server.bench.client import RequestResult, RequestSpec, stream_completion
+from server.bench.prompts import PromptError, build_prompts
+from server.bench.report import BenchReport, RunInfo, format_table, summarize, write_json
+from server.bench.rss import ServerMonitor
 
 
 def add_load_bench_args(p: argparse.ArgumentParser) -> None:

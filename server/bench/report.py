@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from server.bench_client import RequestResult
+from server.bench.client import RequestResult
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -40,7 +40,7 @@ class RunInfo:
 
 @dataclass(frozen=True)
 class BenchReport(RunInfo):
-    """The run plus what was measured; its JSON is one flat object (server/bench_compare.py reads it by key)."""
+    """The run plus what was measured; its JSON is one flat object (server/bench/compare.py reads it by key)."""
 
     requests: int  # measured requests sent (warm-up excluded)
     errors: int

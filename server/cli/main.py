@@ -4,7 +4,10 @@ OpenMP settings must be in the environment before torch is imported, so this mod
 at the top: idle OpenMP workers that spin would starve the uvicorn event loop on a 2-core machine.
 
 Every engine and server setting resolves as: CLI flag > EMBER_* environment variable > --config TOML file >
-built-in default (server/config_resolve.py). The parsers below hold only the built-in defaults.
+built-in default (server/cli/config_resolve.py). The parsers hold only the built-in defaults.
+
+Each subcommand's flags and its run live in their own module: serve.py, compile.py, generate.py here, and
+server/bench/ for the client-side tools. This module only assembles the parser and dispatches.
 """
 from __future__ import annotations
 
@@ -14,9 +17,8 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, cast
 
-from server.config_resolve import (
+from server.cli.config_resolve import (
     CONFIG_ENV,
     ConfigError,
     apply,
@@ -28,12 +30,10 @@ from server.config_resolve import (
     resolve,
     setting_dests,
 )
-
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
+from server.cli.engine_args import add_engine_args, engine_config_from_args
+from server.cli.generate import add_generate_args, run_generate
 
 AddArgs = Callable[[argparse.ArgumentParser], None]
-DEFAULT_BUCKETS_TEXT = "1,2,4,8,16,24,32"  # engine.config.DEFAULT_BUCKETS, as the flag is written
 
 
 # OpenMP workers spin this many rounds (well under a millisecond) after a parallel region before sleeping. A decode
@@ -49,52 +49,6 @@ def _set_thread_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _buckets(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"buckets must be comma-separated integers, got {text!r}") from exc
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags with their built-in defaults; EMBER_* env vars and --config files are applied afterwards by
-    server.config_resolve (flag > env > config > default), which is why no default here reads the environment."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="weight and KV dtype (default: %(default)s)")
-    g.add_argument("--max-total-tokens", type=int, default=None,
-                   help="KV pool size in tokens (default: sized from available memory with --mem-fraction)")
-    g.add_argument("--mem-fraction", type=float, default=0.3,
-                   help="fraction of available memory for the KV pool when --max-total-tokens is unset "
-                        "(default: %(default)s)")
-    g.add_argument("--max-running-requests", type=int, default=32,
-                   help="largest decode batch, and the largest decode bucket (default: %(default)s)")
-    g.add_argument("--max-context-len", type=int, default=None,
-                   help="context length limit (default: the model's, capped at 32768)")
-    g.add_argument("--decode-buckets", type=_buckets, default=DEFAULT_BUCKETS_TEXT,
-                   help="decode batch-size buckets, capped by --max-running-requests; each one is compiled at "
-                        "start-up (default: %(default)s)")
-    g.add_argument("--disable-compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="run the decode step eagerly: no compile at start-up, slower decode (default: %(default)s)")
-    g.add_argument("--compile-cache-dir", default=_default_cache_dir(),
-                   help="persistent cache: inductor's kernels, each bucket's saved decode step and a prepared "
-                        "copy of the model, so a restart skips compiling and checkpoint parsing "
-                        "(default: %(default)s)")
-    g.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=False,
-                   help="inductor C++ wrapper for the decode graphs (default: %(default)s)")
-    g.add_argument("--chunked-prefill-size", type=int, default=512,
-                   help="most prompt tokens prefilled in one step (default: %(default)s)")
-    g.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="waiting requests beyond which new ones get 503 (default: %(default)s)")
-    g.add_argument("--num-threads", type=int, default=None, help="torch compute threads (default: all cores)")
-
-
-def _default_cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember")
-
-
 def add_config_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("configuration")
     g.add_argument("--config", default=None, metavar="FILE",
@@ -104,48 +58,9 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="print every resolved setting and where it came from (flag/env/config/default), then exit")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from engine.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
-        max_running_requests=args.max_running_requests, max_context_len=args.max_context_len,
-        decode_buckets=args.decode_buckets, disable_compile=args.disable_compile,
-        compile_cache_dir=args.compile_cache_dir, cpp_wrapper=args.cpp_wrapper,
-        chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
-        num_threads=args.num_threads,
-    )
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from engine.core import EngineCore
-    from engine.sampling_params import SamplingParams
-
-    # One prompt needs one bucket: compiling the other six would only cost start-up time.
-    config = replace(engine_config_from_args(args), max_running_requests=1)
-    core = EngineCore(config)
-    tok = core.tokenizer
-    ids: list[int]
-    if args.chat:  # tokenize=True, return_dict=False: a flat list of token ids
-        ids = cast(list[int], tok.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
-    else:
-        ids = tok.encode(args.prompt)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    core.add(core.make_requests("cli", list(ids), params))
-    while core.has_work():
-        for out in core.step():
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-    sys.stdout.write("\n")
-    return 0
-
-
 def _serve_args() -> tuple[AddArgs | None, Callable[[argparse.Namespace], int] | None]:
     try:
-        from server.serve import add_serve_args, run_serve
+        from server.cli.serve import add_serve_args, run_serve
     except ImportError:  # pragma: no cover - the HTTP layer is optional at this stage
         return None, None
     return add_serve_args, run_serve
@@ -200,22 +115,18 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     gen = commands["generate"] = sub.add_parser(
         "generate", help="complete one prompt offline; prints only the completion to stdout")
     add_engine_args(gen)
-    gen.add_argument("--prompt", required=True, help="the prompt text")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    add_generate_args(gen)
 
     bench = commands["bench-engine"] = sub.add_parser(
         "bench-engine", help="offline decode tokens/s of the compiled runner vs transformers")
     add_engine_args(bench)
-    from server.bench_engine import add_bench_args
+    from server.bench.engine import add_bench_args
 
     add_bench_args(bench)
 
     load = commands["bench"] = sub.add_parser(
         "bench", help="load-test any OpenAI-compatible server: tokens/s, TTFT, inter-token latency, peak RSS")
-    from server.bench_load import add_load_bench_args
+    from server.bench.load import add_load_bench_args
 
     add_load_bench_args(load)
     for p in commands.values():
@@ -254,19 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":
-            return _generate(args)
+            return run_generate(engine_config_from_args(args), args)
         if args.command == "compile":
-            from server.compile_cmd import run_compile
+            from server.cli.compile import run_compile
 
             return run_compile(engine_config_from_args(args))
         if args.command == "bench":
-            from server.bench_load import run_load_bench
+            from server.bench.load import run_load_bench
 
             return run_load_bench(args)
         if args.command == "bench-engine":
-            from server.bench_engine import run_bench
+            from server.bench.engine import run_bench
 
-            return run_bench(args)
+            return run_bench(engine_config_from_args(args), args)
         _, run_serve = _serve_args()
         if run_serve is None:
             print("ember: error: the HTTP server is not available in this build", file=sys.stderr)

@@ -19,7 +19,8 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from server.settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
+from server.api.settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
+from server.cli.engine_args import engine_config_from_args
 
 log = logging.getLogger("ember.server")
 
@@ -82,7 +83,7 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._begin_drain, sig)
 
     def _begin_drain(self, sig: int) -> None:
-        from server.app import start_drain
+        from server.api.app import start_drain
 
         log.info("received %s", signal.Signals(sig).name)  # says which signal a drain answers
 
@@ -92,8 +93,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from server.app import create_app
-    from server.cli import engine_config_from_args
+    from server.api.app import create_app
 
     logging.getLogger().setLevel(args.log_level.upper())
     settings = settings_from_args(args)

@@ -1,0 +1,75 @@
+"""The engine's command-line flags (shared by serve, compile, generate and bench-engine) and the EngineConfig
+built from them.
+
+Only built-in defaults live here: EMBER_* env vars and --config files are applied afterwards by
+server/cli/config_resolve.py (flag > env > config > default), which is why no default here reads the
+environment. Nothing heavy is imported at the top (see server/cli/main.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+DEFAULT_BUCKETS_TEXT = "1,2,4,8,16,24,32"  # engine.config.DEFAULT_BUCKETS, as the flag is written
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"buckets must be comma-separated integers, got {text!r}") from exc
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags with their built-in defaults (the resolver applies env and config files afterwards)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="weight and KV dtype (default: %(default)s)")
+    g.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV pool size in tokens (default: sized from available memory with --mem-fraction)")
+    g.add_argument("--mem-fraction", type=float, default=0.3,
+                   help="fraction of available memory for the KV pool when --max-total-tokens is unset "
+                        "(default: %(default)s)")
+    g.add_argument("--max-running-requests", type=int, default=32,
+                   help="largest decode batch, and the largest decode bucket (default: %(default)s)")
+    g.add_argument("--max-context-len", type=int, default=None,
+                   help="context length limit (default: the model's, capped at 32768)")
+    g.add_argument("--decode-buckets", type=_buckets, default=DEFAULT_BUCKETS_TEXT,
+                   help="decode batch-size buckets, capped by --max-running-requests; each one is compiled at "
+                        "start-up (default: %(default)s)")
+    g.add_argument("--disable-compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the decode step eagerly: no compile at start-up, slower decode (default: %(default)s)")
+    g.add_argument("--compile-cache-dir", default=_default_cache_dir(),
+                   help="persistent cache: inductor's kernels, each bucket's saved decode step and a prepared "
+                        "copy of the model, so a restart skips compiling and checkpoint parsing "
+                        "(default: %(default)s)")
+    g.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=False,
+                   help="inductor C++ wrapper for the decode graphs (default: %(default)s)")
+    g.add_argument("--chunked-prefill-size", type=int, default=512,
+                   help="most prompt tokens prefilled in one step (default: %(default)s)")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="waiting requests beyond which new ones get 503 (default: %(default)s)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch compute threads (default: all cores)")
+
+
+def _default_cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ember")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
+        max_running_requests=args.max_running_requests, max_context_len=args.max_context_len,
+        decode_buckets=args.decode_buckets, disable_compile=args.disable_compile,
+        compile_cache_dir=args.compile_cache_dir, cpp_wrapper=args.cpp_wrapper,
+        chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
+        num_threads=args.num_threads,
+    )

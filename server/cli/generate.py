@@ -1,0 +1,41 @@
+"""`ember generate`: complete one prompt offline on an EngineCore (no HTTP) and print only the completion."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
+def run_generate(config: EngineConfig, args: argparse.Namespace) -> int:
+    from engine.core import EngineCore
+    from engine.sampling_params import SamplingParams
+
+    # One prompt needs one bucket: compiling the other six would only cost start-up time.
+    core = EngineCore(replace(config, max_running_requests=1))
+    tok = core.tokenizer
+    ids: list[int]
+    if args.chat:  # tokenize=True, return_dict=False: a flat list of token ids
+        ids = cast(list[int], tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
+    else:
+        ids = tok.encode(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    core.add(core.make_requests("cli", list(ids), params))
+    while core.has_work():
+        for out in core.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
