@@ -16,6 +16,7 @@ class EngineConfig:
     max_context_len: int | None = None  # None = the model's max_position_embeddings (capped at 32768)
     decode_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     disable_compile: bool = False
+    background_compile: bool = False  # serve before every decode bucket is compiled (engine/decode_graphs.py)
     compile_cache_dir: str | None = None
     cpp_wrapper: bool = False
     chunked_prefill_size: int = 512

@@ -3,19 +3,28 @@
 Static input buffers are allocated once at the largest bucket; bucket b runs on views `[:b]` of them, so
 every call of one bucket sees identical shapes, strides and data pointers and never recompiles. Padded
 rows point at request row 0 / KV slot 0 with sequence length 1 (see engine/pools.py).
+
+Graphs are never frozen: the weights are module state passed to every bucket's graph (packed once for
+ember::linear_bf16 in bf16, plain in fp32), so all buckets share one copy and each bucket's whole compiled step
+can be saved (dynamo's `aot_compile`) and loaded on the next start. Freezing would fold a copy of the weights into
+every bucket and bypass both the FX graph cache and the saved steps (DESIGN.md §3).
+
+With `background=True` the engine serves before every bucket is compiled: saved steps load at once, the others
+compile in a thread, largest first, and each is swapped in as it becomes ready. Until then a batch runs in the
+smallest ready bucket that holds it, or eagerly. Every path computes the same tokens (tests/test_decode_graphs.py).
 """
 from __future__ import annotations
 
 import bisect
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch._dynamo
-import torch._dynamo.utils
 import torch._inductor.config
 
 import kernels_fake  # noqa: F401  (fake kernels must exist before tracing ember:: ops)
@@ -25,35 +34,56 @@ log = logging.getLogger("ember.compile")
 
 # step(input_ids, positions, req_rows, seq_lens, out_slots, req_to_token, k_caches, v_caches) -> logits [B, V]
 DecodeStep = Callable[..., torch.Tensor]
+EAGER = 0  # steps_per_bucket key of steps that ran the eager module because no fitting bucket was ready yet
 
 
-class DecodeGraphs:
-    def __init__(self, step: torch.nn.Module, buckets: tuple[int, ...], compile: bool, cpp_wrapper: bool = False,
-                 freeze: bool = True, artifact_dir: Path | None = None) -> None:
-        """freeze: let inductor fold the weights into each bucket as constants (oneDNN prepacks plain linears).
-        Off for packed ember::linear_bf16 weights: they are packed already and all buckets share one copy.
+class _Inputs:
+    """The per-row inputs of one decode step, padded: rows past the real ones point at row 0 / slot 0."""
 
-        artifact_dir (unfrozen graphs only): where each bucket's whole compiled step is saved (dynamo's
-        `aot_compile`) and loaded from on the next start. A warm inductor cache alone still re-traces the model
-        with dynamo every start (~2-5 s per bucket); loading an artifact takes well under a second. The caller
-        names the folder after everything the graphs depend on (ModelRunner._decode_artifact_dir)."""
-        self.step, self.buckets, self.compiled = step, tuple(sorted(buckets)), compile
-        self.cpp_wrapper, self.freeze = cpp_wrapper, freeze
-        self.artifact_dir = artifact_dir if compile and not freeze else None
-        self.outcomes: dict[int, str] = {}
-        n = self.buckets[-1]
+    def __init__(self, n: int) -> None:
         self.input_ids = torch.zeros(n, dtype=torch.int64)
         self.positions = torch.zeros(n, dtype=torch.int64)
         self.req_rows = torch.zeros(n, dtype=torch.int64)
         self.seq_lens = torch.ones(n, dtype=torch.int64)
         self.out_slots = torch.zeros(n, dtype=torch.int64)
-        self.fns: dict[int, DecodeStep] = {}
+
+    def pad_from(self, start: int, end: int) -> None:
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.req_rows[start:end] = 0
+        self.seq_lens[start:end] = 1
+        self.out_slots[start:end] = 0
+
+    def view(self, bs: int) -> tuple[torch.Tensor, ...]:
+        return self.input_ids[:bs], self.positions[:bs], self.req_rows[:bs], self.seq_lens[:bs], self.out_slots[:bs]
+
+
+class DecodeGraphs:
+    def __init__(self, step: torch.nn.Module, buckets: tuple[int, ...], compile: bool, cpp_wrapper: bool = False,
+                 artifact_dir: Path | None = None) -> None:
+        """artifact_dir: where each bucket's whole compiled step is saved and loaded from on the next start. A warm
+        inductor cache alone still re-traces the model with dynamo every start (~2-5 s per bucket); loading an
+        artifact takes well under a second. The caller names the folder after everything the graphs depend on
+        (ModelRunner._decode_artifact_dir)."""
+        self.step, self.buckets, self.compiled = step, tuple(sorted(buckets)), compile
+        self.cpp_wrapper = cpp_wrapper
+        self.artifact_dir = artifact_dir if compile else None
+        self.outcomes: dict[int, str] = {}
+        self.inputs = _Inputs(self.buckets[-1])
+        self.fns: dict[int, DecodeStep] = {}  # written by the compile thread, read by the engine thread
         self.compile_seconds: dict[int, float] = {}
-        self.steps_per_bucket: dict[int, int] = dict.fromkeys(self.buckets, 0)
+        self.steps_per_bucket: dict[int, int] = dict.fromkeys((EAGER, *self.buckets), 0)
+        self.all_ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    @property
+    def ready_buckets(self) -> list[int]:
+        return sorted(self.fns)
 
     def bucket_for(self, batch: int) -> int:
         if batch > self.max_batch:
@@ -61,56 +91,96 @@ class DecodeGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
     def capture(self, req_to_token: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                on_bucket: Callable[[int, float], None] | None = None) -> None:
-        """Compile every bucket now, largest first (the largest sets the memory high-water mark early)."""
+                on_bucket: Callable[[int, float], None] | None = None, background: bool = False) -> None:
+        """Make every bucket runnable, largest first (the largest sets the memory high-water mark early).
+
+        background: return once the saved steps are loaded and compile the rest in a thread (`all_ready` is set
+        when the last bucket is in)."""
         # Each bucket is its own graph of one code object: allow them all, plus slack.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 4)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 4 * len(self.buckets) + 16
         )
         order = sorted(self.buckets, reverse=True)
-        cache = torch._dynamo.utils.counters["inductor"]
-        for i, bs in enumerate(order, 1):
-            before = {k: cache[f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
-            t0 = time.perf_counter()
-            args = self._args(bs, req_to_token, k_caches, v_caches)
-            # size_asserts off: the wrapper otherwise re-checks every input's and every custom op output's shape and
-            # stride on each call (~400 checks, ~0.25 ms of a batch-1 step); shapes are static per bucket and the
-            # ops' fake kernels are tested against the real ones (tests/test_linear_op.py, test_attention_ops.py).
-            with torch._inductor.config.patch(freezing=self.freeze, cpp_wrapper=self.cpp_wrapper, size_asserts=False):
-                if self.artifact_dir is not None:
-                    self.fns[bs], outcome = self._precompiled(bs, args)
-                else:
-                    # Compilation happens at this first call. Freezing turns the weights into constants so oneDNN
-                    # can prepack them (DESIGN.md §4); it must be set through inductor's config, as here:
-                    # torch.compile(options=...) ignores it.
-                    self.fns[bs] = torch.compile(self.step, dynamic=False, fullgraph=True) if self.compiled else self.step
-                    self._run_padding_only(bs, args)
-                    # Frozen graphs store oneDNN-packed weights, which the FX graph cache cannot pickle: "bypass"
-                    # (only inductor's C++ kernel cache is reused across restarts).
-                    outcome = "fx graph cache " + (
-                        ",".join(k for k, n in before.items() if cache[f"fxgraph_cache_{k}"] > n) or "none")
-            secs = time.perf_counter() - t0
-            self.compile_seconds[bs] = secs
-            self.outcomes[bs] = outcome
-            if self.compiled:
-                log.info("decode bucket %d [%d/%d] ready in %.1f s (%s)", bs, i, len(order), secs, outcome)
-            if on_bucket is not None:
-                on_bucket(bs, secs)
+        pools = (req_to_token, k_caches, v_caches)
+        if background and self.compiled:
+            saved = [bs for bs in order if self._saved_path(bs) is not None]
+            for bs in saved:
+                self._make_ready(bs, pools, on_bucket, only_load=True)
+            left = [bs for bs in order if bs not in self.fns]
+            if left:
+                log.info("serving now; decode buckets %s compile in the background, largest first", left)
+                self._thread = threading.Thread(target=self._compile_all, args=(left, pools, on_bucket),
+                                                name="ember-compile", daemon=True)
+                self._thread.start()
+                return
+        else:
+            for bs in order:
+                self._make_ready(bs, pools, on_bucket)
+        self.all_ready.set()
 
-    def _precompiled(self, bs: int, args: tuple) -> tuple[DecodeStep, str]:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop compiling after the current bucket (engine shutdown)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _compile_all(self, order: list[int], pools: tuple, on_bucket: Callable[[int, float], None] | None) -> None:
+        try:
+            for bs in order:
+                if self._stop.is_set():
+                    return
+                self._make_ready(bs, pools, on_bucket)
+            log.info("all decode buckets ready: %s", self.ready_buckets)
+        except Exception:  # serving goes on with the buckets that are ready (and eager steps for the rest)
+            log.exception("compiling decode buckets in the background failed; batches without a ready bucket run eagerly")
+        finally:
+            self.all_ready.set()
+
+    def _make_ready(self, bs: int, pools: tuple, on_bucket: Callable[[int, float], None] | None,
+                    only_load: bool = False) -> None:
+        t0 = time.perf_counter()
+        # Private padded inputs: the compile thread must not touch the buffers `run` fills. The compiled step takes
+        # its inputs as arguments, so it later runs on `self.inputs` views of the same shapes and strides.
+        args = (*_Inputs(bs).view(bs), *pools)
+        # size_asserts off: the wrapper otherwise re-checks every input's and every custom op output's shape and
+        # stride on each call (~400 checks, ~0.25 ms of a batch-1 step); shapes are static per bucket and the
+        # ops' fake kernels are tested against the real ones (tests/test_linear_op.py, test_attention_ops.py).
+        with torch._inductor.config.patch(freezing=False, cpp_wrapper=self.cpp_wrapper, size_asserts=False):
+            if not self.compiled:
+                fn, outcome = self.step, "eager"
+            elif self.artifact_dir is not None:
+                fn, outcome = self._precompiled(bs, args, only_load)
+            else:
+                fn, outcome = torch.compile(self.step, dynamic=False, fullgraph=True), "compiled (no saved steps)"
+            with torch.no_grad():
+                fn(*args)  # the first call compiles (plain torch.compile) and warms every path
+        secs = time.perf_counter() - t0
+        self.compile_seconds[bs] = secs
+        self.outcomes[bs] = outcome
+        self.fns[bs] = fn  # last: `run` may pick it up from now on
+        if self.compiled:
+            log.info("decode bucket %d ready in %.1f s (%s); ready: %s", bs, secs, outcome, self.ready_buckets)
+        if on_bucket is not None:
+            on_bucket(bs, secs)
+
+    def _saved_path(self, bs: int) -> Path | None:
+        if self.artifact_dir is None:
+            return None
+        path = self.artifact_dir / f"bucket-{bs}.bin"
+        return path if path.is_file() else None
+
+    def _precompiled(self, bs: int, args: tuple, only_load: bool = False) -> tuple[DecodeStep, str]:
         """Load bucket `bs`'s saved step, or compile it ahead of time and save it for the next start."""
         assert self.artifact_dir is not None
         torch._dynamo.config.enable_aot_compile = True
-        path = self.artifact_dir / f"bucket-{bs}.bin"
-        if path.is_file():
+        path = self._saved_path(bs)
+        if path is not None:
             try:
                 with path.open("rb") as f:
                     fn = torch.compiler.load_compiled_function(f)
                 fn.disable_guard_check()  # see below
-                bound = functools.partial(fn, self.step)
-                self._run_padding_only(bs, args, bound)
-                return bound, f"loaded {path}"
+                return functools.partial(fn, self.step), f"loaded {path}"
             except Exception as exc:  # another torch or CPU than the saver's: compile afresh
                 log.warning("saved decode bucket %d did not load (%s: %s); compiling it", bs, type(exc).__name__, exc)
         fwd = torch.compile(type(self.step).forward, fullgraph=True, dynamic=False)
@@ -119,42 +189,28 @@ class DecodeGraphs:
         # Dynamo's guards re-check every input's shape, stride and dtype on each call (~1.5 % of a batch-1 step in
         # a py-spy profile); `run` always passes the same static buffers, the same pools and no_grad, so skip them.
         fn.disable_guard_check()
+        path = self.artifact_dir / f"bucket-{bs}.bin"
         write_atomically(path, fn.save_compiled_function)
-        bound = functools.partial(fn, self.step)
-        self._run_padding_only(bs, args, bound)
-        return bound, f"compiled ahead of time, saved to {path}"
-
-    def _args(self, bs: int, req_to_token: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> tuple:
-        self._pad_from(0, bs)
-        return (self.input_ids[:bs], self.positions[:bs], self.req_rows[:bs], self.seq_lens[:bs],
-                self.out_slots[:bs], req_to_token, k, v)
-
-    def _run_padding_only(self, bs: int, args: tuple, fn: DecodeStep | None = None) -> None:
-        with torch.no_grad():
-            (fn or self.fns[bs])(*args)
-
-    def _pad_from(self, start: int, end: int) -> None:
-        self.input_ids[start:end] = 0
-        self.positions[start:end] = 0
-        self.req_rows[start:end] = 0
-        self.seq_lens[start:end] = 1
-        self.out_slots[start:end] = 0
+        return functools.partial(fn, self.step), f"compiled ahead of time, saved to {path}"
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor, out_slots: torch.Tensor,
             req_to_token: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
         """Logits [B, V] for one decode step of B real rows."""
         b = int(input_ids.numel())
         bs = self.bucket_for(b)
-        if bs not in self.fns:
-            raise RuntimeError(f"decode bucket {bs} was never captured")
-        self.input_ids[:b] = input_ids
-        self.positions[:b] = positions
-        self.req_rows[:b] = req_rows
-        self.seq_lens[:b] = positions + 1
-        self.out_slots[:b] = out_slots
-        self._pad_from(b, bs)
+        fns = self.fns
+        if bs not in fns:  # still compiling: the smallest ready bucket that holds the batch, else eager
+            bs = next((c for c in self.buckets if c >= b and c in fns), EAGER)
+        x = self.inputs
+        x.input_ids[:b] = input_ids
+        x.positions[:b] = positions
+        x.req_rows[:b] = req_rows
+        x.seq_lens[:b] = positions + 1
+        x.out_slots[:b] = out_slots
         self.steps_per_bucket[bs] += 1
         with torch.no_grad():
-            logits = self.fns[bs](self.input_ids[:bs], self.positions[:bs], self.req_rows[:bs], self.seq_lens[:bs],
-                                  self.out_slots[:bs], req_to_token, k_caches, v_caches)
+            if bs == EAGER:
+                return self.step(*x.view(b), req_to_token, k_caches, v_caches)
+            x.pad_from(b, bs)
+            logits = fns[bs](*x.view(bs), req_to_token, k_caches, v_caches)
         return logits[:b]

@@ -26,13 +26,14 @@ from engine.model.llama import LlamaModel
 from engine.loader.prepared import PreparedModel
 from engine.model.weights import build_model, model_on_meta
 from engine.ops.linear import can_pack
+from engine.ops.native import describe_tiers
 from engine.pools import KVPool, ReqToTokenPool
 
 log = logging.getLogger("ember.runner")
 
 MAX_CONTEXT_CAP = 32768
 # Sources whose code ends up inside a compiled decode step (relative to the repository root).
-GRAPH_SOURCES = ("engine/model/*.py", "engine/ops/*.py", "engine/ops/csrc/*.cpp", "kernels_fake/*.py",
+GRAPH_SOURCES = ("engine/model/*.py", "engine/ops/*.py", "engine/ops/csrc/**/*.[ch]*", "kernels_fake/*.py",
                  "engine/decode_graphs.py", "engine/model_runner.py")
 
 
@@ -96,6 +97,7 @@ class ModelRunner:
         log.info("loaded %s from %s (%s, %.1fM parameters, %s%s) in %.1f s", mc.name, source, mc.architecture,
                  n_params / 1e6, config.dtype, ", linears packed for ember::linear_bf16" if self.model.packed else "",
                  time.perf_counter() - t0)
+        log.info("%s", describe_tiers())
         num_slots = size_kv_pool(config, mc, self.max_context)
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context)
         self.kv_pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
@@ -103,11 +105,11 @@ class ModelRunner:
         log.info("KV pool: %d slots (%.2f GiB), max context %d, max running requests %d", num_slots,
                  num_slots * per_slot / 2**30, self.max_context, config.max_running_requests)
         self.graphs = DecodeGraphs(DecodeStepModule(self.model), config.buckets, not config.disable_compile,
-                                   config.cpp_wrapper, freeze=not self.model.packed,
-                                   artifact_dir=self._decode_artifact_dir())
+                                   config.cpp_wrapper, artifact_dir=self._decode_artifact_dir())
         log.info("decode buckets %s (%s)", list(self.graphs.buckets),
                  "eager" if config.disable_compile else "compiling, largest first")
-        self.graphs.capture(self.req_pool.table, self.kv_pool.k, self.kv_pool.v, on_bucket)
+        self.graphs.capture(self.req_pool.table, self.kv_pool.k, self.kv_pool.v, on_bucket,
+                            background=config.background_compile)
 
     def _decode_artifact_dir(self) -> Path | None:
         """Where the saved decode steps live: a folder named after everything a compiled step depends on (torch,

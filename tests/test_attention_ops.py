@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops import attention
+from isa_tiers import EVERY
 
 
 def _setup(dtype: torch.dtype, lens: list[int], heads: int = 8, kv_heads: int = 2, dim: int = 32, seed: int = 0):
@@ -28,16 +29,18 @@ def _setup(dtype: torch.dtype, lens: list[int], heads: int = 8, kv_heads: int = 
     return q, k, v, k_cache, v_cache, out_slots, table, rows, seq
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 128), (6, 2, 48)])
+@pytest.mark.parametrize("isa", EVERY)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 128), (6, 2, 48), (2, 1, 80)])
 def test_native_decode_attention_matches_reference(dtype: torch.dtype, tol: float, heads: int, kv_heads: int,
-                                                   dim: int) -> None:
-    # dim 32/64/128 take the AVX-512 kernels (9/3 is SmolLM2's grouping), 48 the portable loop; the lengths
-    # cross the 16-key blocks and the prefetch distance.
+                                                   dim: int, isa: str) -> None:
+    # dim 32/64/80/128 take the vector kernels (9/3 is SmolLM2's grouping; 80 is 5 AVX-512 or 10 AVX2 vectors), 48
+    # has one on AVX2 only (6 x 8 lanes) and takes the portable loop on AVX-512; the lengths cross the 8- and 16-key
+    # blocks and the prefetch distance.
     assert attention.NATIVE_DECODE_ATTENTION, "this machine has a C++ compiler: the native op must be built"
-    q, k, v, kc, vc, slots, table, rows, seq = _setup(dtype, [1, 17, 128, 40, 3], heads, kv_heads, dim)
+    q, k, v, kc, vc, slots, table, rows, seq = _setup(dtype, [1, 17, 128, 40, 3, 9], heads, kv_heads, dim)
     kc2, vc2 = kc.clone(), vc.clone()
-    got = torch.ops.ember.decode_attention(q, k, v, kc, vc, slots, table, rows, seq, 0.17)
+    got = torch.ops.ember.decode_attention_isa(q, k, v, kc, vc, slots, table, rows, seq, 0.17, isa)
     want = attention.reference_decode_attention(q, k, v, kc2, vc2, slots, table, rows, seq, 0.17)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # both wrote the new K/V into the same slots
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

@@ -1,6 +1,7 @@
 """Saved decode steps (engine/decode_graphs.py `artifact_dir`): a restart loads every bucket instead of compiling."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,32 +10,42 @@ import torch._dynamo
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.ops.native import NATIVE_LINEAR
+from engine.ops.native import forced_isa
 from engine.sampling_params import SamplingParams
+from isa_tiers import LINEAR
 
-pytestmark = pytest.mark.skipif(not NATIVE_LINEAR, reason="saved steps need packed bf16 weights (AVX512-BF16)")
+# bf16 on every tier with a packed linear kernel, and fp32 (plain weights): no dtype or CPU falls back to freezing.
+CASES = [pytest.param("bfloat16", p.values[0], id=f"bfloat16-{p.id}", marks=p.marks) for p in LINEAR]
+CASES.append(pytest.param("float32", None, id="float32"))
 
 
-def _core(folder: Path, cache: Path, max_total_tokens: int = 512) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(folder), dtype="bfloat16", max_total_tokens=max_total_tokens,
+def _core(folder: Path, cache: Path, max_total_tokens: int = 512, dtype: str = "bfloat16") -> EngineCore:
+    return EngineCore(EngineConfig(model=str(folder), dtype=dtype, max_total_tokens=max_total_tokens,
                                    max_running_requests=2, compile_cache_dir=str(cache)))
 
 
-def test_restart_loads_saved_steps_and_decodes_the_same(make_tiny_model: Callable[..., Path],
-                                                        tmp_path: Path) -> None:
-    folder = make_tiny_model("llama", tie_word_embeddings=True)
+@pytest.mark.parametrize("dtype,isa", CASES)
+def test_restart_loads_saved_steps_and_decodes_the_same(make_tiny_model: Callable[..., Path], tmp_path: Path,
+                                                        dtype: str, isa: str | None) -> None:
+    with forced_isa(isa) if isa else contextlib.nullcontext():
+        _restart_loads_saved_steps(make_tiny_model("llama", tie_word_embeddings=True), tmp_path, dtype)
+
+
+def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None:
     prompts = [[5, 9, 11, 40, 2], [7, 3]]
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    first = _core(folder, tmp_path)
+    torch._dynamo.reset()
+    first = _core(folder, tmp_path, dtype=dtype)
     graphs = first.runner.graphs
-    assert graphs.artifact_dir is not None and not graphs.freeze
+    assert graphs.artifact_dir is not None
+    assert first.runner.model.packed == (dtype == "bfloat16")
     assert all(o.startswith("compiled ahead of time") for o in graphs.outcomes.values())
     assert sorted(p.name for p in graphs.artifact_dir.iterdir()) == ["bucket-1.bin", "bucket-2.bin"]
     want = first.generate(prompts, greedy)
     assert first.runner.graphs.steps_per_bucket[2] > 0  # the batch of two really ran the compiled bucket
 
     torch._dynamo.reset()  # as in a new process: nothing compiled is left in memory
-    second = _core(folder, tmp_path)
+    second = _core(folder, tmp_path, dtype=dtype)
     assert second.runner.graphs.artifact_dir == graphs.artifact_dir
     assert all(o.startswith("loaded") for o in second.runner.graphs.outcomes.values())
     with torch._dynamo.config.patch(error_on_recompile=True):

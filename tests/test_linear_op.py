@@ -1,4 +1,5 @@
-"""ember::linear_bf16 (engine/ops/csrc/linear_bf16.cpp) against fp32 matmul, and the bf16 model over packed weights."""
+"""ember::linear_bf16 (engine/ops/csrc/linear/) against fp32 matmul on every ISA tier this CPU runs, and the bf16
+model over packed weights (compiled == eager on each tier)."""
 from __future__ import annotations
 
 import pytest
@@ -9,18 +10,19 @@ import torch.nn.functional as F
 from engine.loader import open_checkpoint
 from engine.model.weights import build_model
 from engine.ops import linear as lin
-from engine.ops.native import NATIVE_LINEAR
+from engine.ops.native import NATIVE_LINEAR, forced_isa
 from engine_helpers import ManualBatch, make_runner, random_prompts
+from isa_tiers import LINEAR
 
-needs_kernel = pytest.mark.skipif(not NATIVE_LINEAR, reason="CPU or compiler without AVX512-BF16")
+needs_kernel = pytest.mark.skipif(not NATIVE_LINEAR, reason="no ember::linear_bf16 kernel on this CPU's active tier")
 
 
 def _bf16(*shape: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(torch.bfloat16)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor) -> None:
-    got = torch.ops.ember.linear_bf16(x, lin.pack_linear_weight(w), w.shape[0])
+def _check(x: torch.Tensor, w: torch.Tensor, isa: str) -> None:
+    got = torch.ops.ember.linear_bf16_isa(x, lin.pack_linear_weight(w), w.shape[0], isa)
     want = x.float() @ w.float().T  # exact products of the bf16 values, fp32 sums
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     # One bf16 rounding of the output plus fp32 summation-order noise relative to the terms' magnitude.
@@ -28,19 +30,31 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=float(scale) * 1e-5)
 
 
-@needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 11, 12, 13, 25, 40])
-@pytest.mark.parametrize("n,k", [(1, 2), (31, 64), (32, 64), (33, 66), (100, 576), (960, 1538)])
-def test_linear_matches_fp32_matmul(m: int, n: int, k: int) -> None:
-    # m crosses the 12-row tile and the split-accumulator tiles (<= 3 rows); n crosses the 32-column block;
-    # k = 1538 has an odd number of input pairs (the split loop's remainder).
+@pytest.mark.parametrize("isa", LINEAR)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 25, 40])
+@pytest.mark.parametrize("n,k", [(1, 2), (31, 64), (32, 64), (33, 66), (100, 576), (960, 1538), (40, 1100)])
+def test_linear_matches_fp32_matmul(m: int, n: int, k: int, isa: str) -> None:
+    # m crosses every tier's row tiles (3 rows on AVX2, 12 on AVX-512) and the switch from streaming the weights to
+    # widening them into a tile (more than 3 / 12 rows); n crosses the 32-column block and the vector width; k = 1538
+    # has an odd number of input pairs, k = 1100 crosses the 512-input tile chunks with a partial last chunk.
     g = torch.Generator().manual_seed(m * 1000 + n + k)
-    _check(_bf16(m, k, g=g), _bf16(n, k, g=g))
+    _check(_bf16(m, k, g=g), _bf16(n, k, g=g), isa)
 
 
-@needs_kernel
+@pytest.mark.parametrize("isa", [p for p in LINEAR if p.id != "avx512bf16"])
+def test_linear_row_results_do_not_depend_on_the_batch(isa: str) -> None:
+    # The fp32-FMA tiers sum each row in input order whichever path and row tile ran it, so a request decodes to
+    # the same values in every batch-size bucket (and in prefill). (The AVX512-BF16 tile splits few-row sums.)
+    g = torch.Generator().manual_seed(5)
+    w, x = lin.pack_linear_weight(_bf16(96, 640, g=g)), _bf16(40, 640, g=g)
+    alone = torch.cat([torch.ops.ember.linear_bf16_isa(x[i : i + 1], w, 96, isa) for i in range(40)])
+    for m in (2, 3, 5, 13, 40):
+        assert torch.equal(torch.ops.ember.linear_bf16_isa(x[:m], w, 96, isa), alone[:m])
+
+
+@pytest.mark.parametrize("isa", LINEAR)
 @pytest.mark.parametrize("threads", [1, 3, 7])
-def test_linear_computes_every_block_under_any_thread_count(threads: int) -> None:
+def test_linear_computes_every_block_under_any_thread_count(threads: int, isa: str) -> None:
     # More threads than cores: owners get preempted mid-range and others take blocks from the back of their
     # ranges. A block that no thread computed would leave its columns as uninitialised memory.
     g = torch.Generator().manual_seed(threads)
@@ -48,25 +62,32 @@ def test_linear_computes_every_block_under_any_thread_count(threads: int) -> Non
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for _ in range(20):
-            _check(x, w)
+        for rows in (2, 20):  # both the streamed and the tiled path
+            for _ in range(10):
+                _check(x.repeat(rows // 2, 1), w, isa)
     finally:
         torch.set_num_threads(before)
 
 
-@needs_kernel
-def test_linear_takes_batched_and_strided_input() -> None:
+@pytest.mark.parametrize("isa", LINEAR)
+def test_linear_takes_batched_and_strided_input(isa: str) -> None:
     g = torch.Generator().manual_seed(7)
     w = _bf16(70, 96, g=g)
     x = _bf16(3, 5, 192, g=g)[..., ::2]  # [3, 5, 96], not contiguous
-    got = torch.ops.ember.linear_bf16(x, lin.pack_linear_weight(w), 70)
+    got = torch.ops.ember.linear_bf16_isa(x, lin.pack_linear_weight(w), 70, isa)
     assert got.shape == (3, 5, 70)
     torch.testing.assert_close(got, F.linear(x, w), rtol=2**-7, atol=1e-2)
-    assert torch.ops.ember.linear_bf16(x[:0], lin.pack_linear_weight(w), 70).shape == (0, 5, 70)
+    assert torch.ops.ember.linear_bf16_isa(x[:0], lin.pack_linear_weight(w), 70, isa).shape == (0, 5, 70)
 
 
 @needs_kernel
 def test_linear_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="not a tier"):
+        torch.ops.ember.linear_bf16_isa(torch.zeros(1, 2, dtype=torch.bfloat16),
+                                        lin.pack_linear_weight(torch.zeros(1, 2, dtype=torch.bfloat16)), 1, "sse9")
+    with pytest.raises(RuntimeError, match="no scalar kernel"):
+        torch.ops.ember.linear_bf16_isa(torch.zeros(1, 2, dtype=torch.bfloat16),
+                                        lin.pack_linear_weight(torch.zeros(1, 2, dtype=torch.bfloat16)), 1, "scalar")
     w = lin.pack_linear_weight(torch.zeros(64, 32, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.ember.linear_bf16(torch.zeros(2, 32), w, 64)
@@ -107,18 +128,32 @@ def test_bf16_model_packed_equals_plain_weights(make_tiny_model, tied: bool) -> 
                                rtol=2**-7, atol=2e-2)
 
 
-@needs_kernel
-def test_bf16_compiled_decode_over_packed_weights_equals_eager(make_tiny_model) -> None:
+@pytest.mark.parametrize("isa", LINEAR)
+def test_bf16_compiled_decode_over_packed_weights_equals_eager(make_tiny_model, isa: str) -> None:
     folder = make_tiny_model("llama", tie_word_embeddings=True)
     prompts = random_prompts([9, 2, 14], 320, seed=1)
-    eager_runner = make_runner(folder, compile=False, dtype="bfloat16")
-    assert eager_runner.model.packed
-    eager = ManualBatch(eager_runner, prompts)
-    eager_seqs = eager.decode(8)
-    runner = make_runner(folder, compile=True, dtype="bfloat16", buckets=(4,))
-    assert not runner.graphs.freeze  # packed weights are shared by the buckets, not folded into each
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = ManualBatch(runner, prompts)
-        assert compiled.decode(8) == eager_seqs
+    with forced_isa(isa):
+        eager_runner = make_runner(folder, compile=False, dtype="bfloat16")
+        assert eager_runner.model.packed
+        eager = ManualBatch(eager_runner, prompts)
+        eager_seqs = eager.decode(8)
+        torch._dynamo.reset()  # a graph compiled under another tier's test must not be reused
+        runner = make_runner(folder, compile=True, dtype="bfloat16", buckets=(4,))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled = ManualBatch(runner, prompts)
+            assert compiled.decode(8) == eager_seqs
     for e, c in zip(eager.step_logits, compiled.step_logits):
         torch.testing.assert_close(c, e, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("isa", LINEAR)
+def test_fake_kernel_matches_the_real_one(isa: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(2)
+    x, w = _bf16(3, 4, 64, g=g), lin.pack_linear_weight(_bf16(45, 64, g=g))
+    with forced_isa(isa):
+        real = torch.ops.ember.linear_bf16(x, w, 45)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.ember.linear_bf16(mode.from_tensor(x), mode.from_tensor(w), 45)
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())

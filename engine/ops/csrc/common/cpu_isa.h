@@ -1,0 +1,25 @@
+// Instruction-set tiers of Ember's kernels: which the CPU runs, and which one the ops dispatch to.
+// ISA: none (generic x86-64; this header and cpu_isa.cpp must run on any CPU to find out what else can).
+//
+// Tiers are ordered: each one's CPU features include the one below it, so forcing a lower tier
+// (EMBER_ISA=avx2 on an AVX512-BF16 machine) runs only instructions that CPU has.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace ember {
+
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+const char* isa_name(Isa isa);
+// Every tier this CPU can run, best first (kScalar is always last).
+std::vector<Isa> supported_isas();
+// The tier the dispatched ops use: the best supported one, or EMBER_ISA when set (or the last select_isa).
+Isa active_isa();
+// Makes `name` the active tier for every later call (start-up: EMBER_ISA; tests: each tier in turn).
+Isa select_isa(const std::string& name);
+// Parses a tier name ("scalar", "avx2", "avx512", "avx512bf16"); throws for unknown or unsupported tiers.
+Isa parse_isa(const std::string& name);
+
+}  // namespace ember

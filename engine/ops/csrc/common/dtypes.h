@@ -1,0 +1,13 @@
+// Storage types the kernels read, layout-compatible with c10::BFloat16 and c10::Half (2 bytes, raw bits), so the
+// ISA-specific files need no ATen header. ISA: none.
+#pragma once
+
+#include <cstdint>
+
+namespace ember {
+struct Bf16 { uint16_t bits; };
+struct Half { uint16_t bits; };
+}  // namespace ember
+
+using ember::Bf16;
+using ember::Half;

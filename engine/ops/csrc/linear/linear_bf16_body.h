@@ -1,0 +1,164 @@
+// The packed bf16 linear over fp32 multiply-adds, written once over a vector type V (common/simd_*.h) and
+// included by linear_bf16_avx2.cpp and linear_bf16_avx512.cpp inside their ISA's target region.
+// y[M, N] = x[M, K] @ W[N, K]^T: bf16 weights (widened in registers, so memory streams bf16), fp32 accumulation.
+//
+// Two paths per 32-column block:
+//  - few rows (decode): stream the block's bf16 pairs once, widen each vector in registers and multiply it into
+//    every row (bandwidth-bound: the widening hides under the memory stream).
+//  - many rows (prefill): widen K-chunks of the block once into an fp32 tile in L2, then run a register-blocked
+//    fp32 micro-kernel over all rows (compute-bound: widening once per block instead of once per row tile).
+// No std:: templates here: an inline function instantiated in this ISA's region could be merged by the linker
+// with the generic copy other files use, and run on a CPU without this ISA.
+#pragma once
+
+#include "linear/linear_bf16.h"
+
+namespace {
+
+using ember::LinearArgs;
+using ember::LinearKernel;
+constexpr int64_t kBlock = ember::kLinearBlock;
+constexpr int64_t kPrefetchBytes = 256;  // one sequential stream per thread: the hardware prefetcher does the rest
+constexpr int64_t kChunk = 512;          // K values per fp32 tile: 512 x 32 x 4 B = 64 KiB, resident in L2
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+template <class V>
+struct LinearBody {
+  using F = typename V::F;
+  static constexpr int NV = kBlock / V::W;  // vectors per 32-column block
+  // Rows per register tile: NV accumulators a row, plus the widened weights and a broadcast.
+  static constexpr int kStreamRows = V::kRegisters == 16 ? 3 : 12;
+  static constexpr int kTileRows = V::kRegisters == 16 ? 3 : 12;
+  // Up to this many rows the block is streamed (a row tile at a time); above, it is widened into a tile.
+  static constexpr int64_t kStreamMax = V::kRegisters == 16 ? 3 : 12;
+
+  // Rows [0, MT) of x (fp32, row stride ldx) times one block, straight from its bf16 pairs.
+  template <int MT>
+  static void stream_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k2, uint16_t* out, int64_t ldo,
+                          int64_t ncols) {
+    // One accumulator per (row, vector), summed in input order exactly as tile_rows sums: a row's result does
+    // not depend on how many rows share its call, so every decode bucket (and prefill) computes the same values.
+    F acc[MT][NV];
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NV; ++j) acc[m][j] = V::zero();
+    for (int64_t kk = 0; kk < k2; ++kk) {
+      const uint16_t* p = w + kk * 2 * kBlock;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64, _MM_HINT_T0);
+      for (int j = 0; j < NV; ++j) {
+        F even, odd;
+        V::load_pairs(p + j * 2 * V::W, even, odd);
+        for (int m = 0; m < MT; ++m) {
+          acc[m][j] = V::fma(V::set1(x[m * ldx + 2 * kk]), even, acc[m][j]);
+          acc[m][j] = V::fma(V::set1(x[m * ldx + 2 * kk + 1]), odd, acc[m][j]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NV; ++j) {
+        const int64_t left = ncols - j * V::W;
+        if (left <= 0) break;
+        V::store_bf16(out + m * ldo + j * V::W, acc[m][j], static_cast<int>(left));
+      }
+  }
+
+  // c[MR, 32] (+)= x[MR, kc] @ t[kc, 32]: the fp32 micro-kernel over a widened tile.
+  template <int MR>
+  static void tile_rows(const float* x, int64_t ldx, const float* t, int64_t kc, float* c, bool first) {
+    F acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j) acc[m][j] = first ? V::zero() : V::load(c + m * kBlock + j * V::W);
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* tk = t + k * kBlock;
+      for (int m = 0; m < MR; ++m) {
+        const F xb = V::set1(x[m * ldx + k]);
+        for (int j = 0; j < NV; ++j) acc[m][j] = V::fma(xb, V::load(tk + j * V::W), acc[m][j]);
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j) V::store(c + m * kBlock + j * V::W, acc[m][j]);
+  }
+
+  using StreamFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
+  using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool);
+
+  static StreamFn stream_for(int64_t mt) {
+    switch (mt) {
+      case 1: return stream_tile<1>;
+      case 2: return stream_tile<2>;
+      case 3: return stream_tile<3>;
+      case 4: return stream_tile<(kStreamRows >= 4 ? 4 : 1)>;
+      case 5: return stream_tile<(kStreamRows >= 5 ? 5 : 1)>;
+      case 6: return stream_tile<(kStreamRows >= 6 ? 6 : 1)>;
+      case 7: return stream_tile<(kStreamRows >= 7 ? 7 : 1)>;
+      case 8: return stream_tile<(kStreamRows >= 8 ? 8 : 1)>;
+      case 9: return stream_tile<(kStreamRows >= 9 ? 9 : 1)>;
+      case 10: return stream_tile<(kStreamRows >= 10 ? 10 : 1)>;
+      case 11: return stream_tile<(kStreamRows >= 11 ? 11 : 1)>;
+      default: return stream_tile<(kStreamRows >= 12 ? 12 : 1)>;
+    }
+  }
+  static TileFn tile_for(int64_t mr) {
+    switch (mr) {
+      case 1: return tile_rows<1>;
+      case 2: return tile_rows<2>;
+      case 3: return tile_rows<3>;
+      case 4: return tile_rows<(kTileRows >= 4 ? 4 : 1)>;
+      case 5: return tile_rows<(kTileRows >= 5 ? 5 : 1)>;
+      case 6: return tile_rows<(kTileRows >= 6 ? 6 : 1)>;
+      case 7: return tile_rows<(kTileRows >= 7 ? 7 : 1)>;
+      case 8: return tile_rows<(kTileRows >= 8 ? 8 : 1)>;
+      case 9: return tile_rows<(kTileRows >= 9 ? 9 : 1)>;
+      case 10: return tile_rows<(kTileRows >= 10 ? 10 : 1)>;
+      case 11: return tile_rows<(kTileRows >= 11 ? 11 : 1)>;
+      default: return tile_rows<(kTileRows >= 12 ? 12 : 1)>;
+    }
+  }
+
+  static int64_t scratch_floats(int64_t rows, int64_t k2) {
+    if (rows <= kStreamMax) return 0;
+    return kChunk * kBlock + rows * kBlock;  // the widened tile + fp32 accumulators of every row
+  }
+
+  static void run_block(const LinearArgs& a, int64_t b, float* scratch) {
+    const int64_t ncols = min64(kBlock, a.n - b * kBlock), K = 2 * a.k2;
+    const uint16_t* wb = a.w + b * a.k2 * 2 * kBlock;
+    uint16_t* ob = a.out + b * kBlock;
+    if (a.rows <= kStreamMax) {
+      for (int64_t m0 = 0; m0 < a.rows; m0 += kStreamRows) {
+        const int64_t mt = min64(kStreamRows, a.rows - m0);
+        stream_for(mt)(a.xf + m0 * K, K, wb, a.k2, ob + m0 * a.n, a.n, ncols);
+      }
+      return;
+    }
+    float* tile = scratch;
+    float* acc = scratch + kChunk * kBlock;
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t kc = min64(kChunk, K - k0);  // even: K is even and so is kChunk
+      for (int64_t kk = 0; kk < kc / 2; ++kk) {
+        const uint16_t* p = wb + (k0 / 2 + kk) * 2 * kBlock;
+        for (int j = 0; j < NV; ++j) {
+          F even, odd;
+          V::load_pairs(p + j * 2 * V::W, even, odd);
+          V::store(tile + (2 * kk) * kBlock + j * V::W, even);
+          V::store(tile + (2 * kk + 1) * kBlock + j * V::W, odd);
+        }
+      }
+      for (int64_t m0 = 0; m0 < a.rows; m0 += kTileRows) {
+        const int64_t mr = min64(kTileRows, a.rows - m0);
+        tile_for(mr)(a.xf + m0 * K + k0, K, tile, kc, acc + m0 * kBlock, k0 == 0);
+      }
+    }
+    for (int64_t m = 0; m < a.rows; ++m)
+      for (int j = 0; j < NV; ++j) {
+        const int64_t left = ncols - j * V::W;
+        if (left <= 0) break;
+        V::store_bf16(ob + m * a.n + j * V::W, V::load(acc + m * kBlock + j * V::W), static_cast<int>(left));
+      }
+  }
+
+  static LinearKernel kernel() { return {run_block, scratch_floats, true}; }
+};
+
+}  // namespace
