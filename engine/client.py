@@ -63,6 +63,10 @@ class EngineClient:
         self._thread.stop(timeout)
 
     @property
+    def compiling(self) -> bool:
+        return self._thread.compiling
+
+    @property
     def num_active(self) -> int:
         return len(self._queues)
 

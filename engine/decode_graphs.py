@@ -73,7 +73,7 @@ class DecodeGraphs:
         self.fns: dict[int, DecodeStep] = {}  # written by the compile thread, read by the engine thread
         self.compile_seconds: dict[int, float] = {}
         self.steps_per_bucket: dict[int, int] = dict.fromkeys((EAGER, *self.buckets), 0)
-        self.all_ready = threading.Event()
+        self.compile_finished = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -94,7 +94,7 @@ class DecodeGraphs:
                 on_bucket: Callable[[int, float], None] | None = None, background: bool = False) -> None:
         """Make every bucket runnable, largest first (the largest sets the memory high-water mark early).
 
-        background: return once the saved steps are loaded and compile the rest in a thread (`all_ready` is set
+        background: return once the saved steps are loaded and compile the rest in a thread (`compile_finished` is set
         when the last bucket is in)."""
         # Each bucket is its own graph of one code object: allow them all, plus slack.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 4)
@@ -117,7 +117,7 @@ class DecodeGraphs:
         else:
             for bs in order:
                 self._make_ready(bs, pools, on_bucket)
-        self.all_ready.set()
+        self.compile_finished.set()
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop compiling after the current bucket (engine shutdown)."""
@@ -135,7 +135,7 @@ class DecodeGraphs:
         except Exception:  # serving goes on with the buckets that are ready (and eager steps for the rest)
             log.exception("compiling decode buckets in the background failed; batches without a ready bucket run eagerly")
         finally:
-            self.all_ready.set()
+            self.compile_finished.set()
 
     def _make_ready(self, bs: int, pools: tuple, on_bucket: Callable[[int, float], None] | None,
                     only_load: bool = False) -> None:
@@ -160,7 +160,8 @@ class DecodeGraphs:
         self.outcomes[bs] = outcome
         self.fns[bs] = fn  # last: `run` may pick it up from now on
         if self.compiled:
-            log.info("decode bucket %d ready in %.1f s (%s); ready: %s", bs, secs, outcome, self.ready_buckets)
+            log.info("decode bucket %d [%d/%d] ready in %.1f s (%s)", bs, len(self.fns), len(self.buckets), secs,
+                     outcome)
         if on_bucket is not None:
             on_bucket(bs, secs)
 

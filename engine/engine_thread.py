@@ -57,6 +57,13 @@ class EngineThread:
     def stop(self, timeout: float | None = None) -> None:
         self._inbox.put(_Stop())
         self._thread.join(timeout)
+        if self.core is not None:  # a background compile stops after its current bucket
+            self.core.runner.graphs.stop(0)
+
+    @property
+    def compiling(self) -> bool:
+        """Decode buckets are still compiling in the background (torch cannot interrupt that mid-bucket)."""
+        return self.core is not None and not self.core.runner.graphs.compile_finished.is_set()
 
     def _run(self) -> None:
         try:

@@ -159,11 +159,33 @@ def test_compiled_server_matches_eager_and_drains_on_sigterm(tiny_model: Path, c
     assert "draining: 2 requests in flight" in srv.log()
 
 
+def test_serves_while_buckets_compile_in_background(tiny_model: Path, client: openai.OpenAI, tmp_path: Path) -> None:
+    """With --compile-in-background (the default) /health is 200 as soon as the model is loaded; requests are served
+    (eagerly, or in a ready bucket) with the eager server's greedy text while /get_server_info lists the buckets
+    compiled so far, until all of them are in."""
+    eager = greedy(client, "The capital of France is", max_tokens=40).choices[0].text
+    args = ["--model", str(tiny_model), "--served-model-name", MODEL_NAME, "--dtype", "float32",
+            "--max-total-tokens", "4096", "--max-running-requests", "2", "--compile-cache-dir", str(tmp_path / "c")]
+    with run_server(args, tmp_path / "background.log", timeout=60) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=60) as hc:
+        info = hc.get("/get_server_info").json()
+        assert info["compiled"] is True and set(info["compiled_buckets"]) <= {1, 2}
+        assert info["isa"]["active"] in info["isa"]["supported"]
+        assert greedy(openai_client(srv), "The capital of France is", max_tokens=40).choices[0].text == eager
+        deadline = time.monotonic() + 300
+        while hc.get("/get_server_info").json()["compiled_buckets"] != [1, 2]:
+            assert time.monotonic() < deadline, "the background compile never finished"
+            time.sleep(0.5)  # bounded poll of another process's progress: no event crosses the process boundary
+        assert greedy(openai_client(srv), "The capital of France is", max_tokens=40).choices[0].text == eager
+    assert srv.proc.returncode == 0
+    assert "compile in the background" in srv.log() and "all decode buckets ready" in srv.log()
+
+
 def test_sigterm_while_compiling_exits_0_at_once(tiny_model: Path, tmp_path: Path) -> None:
-    """The server listens while the engine compiles (503 + Retry-After), and a SIGTERM then does not wait for
-    the compile to finish."""
+    """Without background compiling the server listens while the engine compiles (503 + Retry-After), and a
+    SIGTERM then does not wait for the compile to finish."""
     srv = start_server(["--model", str(tiny_model), "--dtype", "float32", "--max-running-requests", "2",
-                        "--max-total-tokens", "4096"], tmp_path / "loading.log")
+                        "--max-total-tokens", "4096", "--no-compile-in-background"], tmp_path / "loading.log")
     try:
         wait_for_health(srv, 503, timeout=60)
         resp = httpx.get(srv.base_url + "/v1/models")

@@ -68,6 +68,8 @@ def _version(package: str) -> str | None:
 
 @router.get("/get_server_info")
 async def server_info(request: Request) -> dict[str, Any]:
+    from engine.ops import native  # loaded by the engine already; not at import (keeps `ember --help` light)
+
     state = get_state(request)
     core, cfg, settings = state.core, state.engine.config, state.settings
     graphs = core.runner.graphs
@@ -83,7 +85,11 @@ async def server_info(request: Request) -> dict[str, Any]:
         "chunked_prefill_size": cfg.chunked_prefill_size,
         "decode_buckets": list(graphs.buckets),
         "compiled": graphs.compiled,
-        "compile_seconds": {str(b): round(s, 3) for b, s in graphs.compile_seconds.items()},
+        # Buckets ready to run now (with --compile-in-background the rest are still compiling, largest first).
+        "compiled_buckets": graphs.ready_buckets if graphs.compiled else [],
+        "compile_seconds": {str(b): round(s, 3) for b, s in dict(graphs.compile_seconds).items()},
+        "isa": {"active": native.active_isa(), "supported": list(native.SUPPORTED_ISAS),
+                "linear_bf16": core.runner.model.packed},
         "max_n": settings.max_n,
         "max_request_bytes": settings.max_request_bytes,
         "auth": settings.api_key is not None,

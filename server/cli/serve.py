@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import replace
 from types import FrameType
 
 import uvicorn
@@ -43,6 +44,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-grace-seconds", type=float, default=float(env("EMBER_SHUTDOWN_GRACE_SECONDS", "30")),
                    help="on SIGTERM, how long running requests may finish before they are aborted "
                         "(default: %(default)s)")
+    g.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="serve as soon as the model is loaded: decode buckets that have no saved step compile in "
+                        "a background thread, largest first, and are swapped in as each is ready; until then a "
+                        "batch runs in a larger ready bucket or eagerly (default: %(default)s)")
     g.add_argument("--log-level", default=env("EMBER_LOG_LEVEL", "info"),
                    choices=["critical", "error", "warning", "info", "debug"], help="(default: %(default)s)")
 
@@ -97,7 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.getLogger().setLevel(args.log_level.upper())
     settings = settings_from_args(args)
-    config = engine_config_from_args(args)
+    config = replace(engine_config_from_args(args), background_compile=args.compile_in_background)
     server: DrainingServer | None = None
 
     def on_exit(code: int) -> None:
@@ -114,9 +120,9 @@ def run_serve(args: argparse.Namespace) -> int:
     server.run()
     code = server.exit_code if server.started else 1
     engine = getattr(getattr(app.state, "server", None), "engine", None)
-    if engine is not None and not engine.ready and engine.error is None:
-        # Stopped while the engine thread is still loading or compiling: it cannot be interrupted, and letting
-        # the interpreter finalize under it aborts the process (C++ threads torn down mid-compile). Leave now.
+    if engine is not None and engine.error is None and (not engine.ready or engine.compiling):
+        # Stopped while the engine thread is still loading or a bucket is compiling: neither can be interrupted, and
+        # letting the interpreter finalize under it aborts the process (C++ threads torn down mid-compile). Leave now.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

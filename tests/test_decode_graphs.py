@@ -1,0 +1,87 @@
+"""Serving before every bucket is compiled (engine/decode_graphs.py, background=True): steps run eagerly or in a
+larger ready bucket while the rest compile, each bucket is swapped in when ready, and the tokens never change."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch._dynamo
+
+from engine.config import EngineConfig
+from engine.decode_graphs import EAGER, DecodeGraphs
+from engine.loader import open_checkpoint
+from engine.model_runner import ModelRunner
+from engine_helpers import ManualBatch, make_runner, random_prompts
+
+PROMPTS = random_prompts([6, 11, 3], 320, seed=4)
+
+
+def _runner(folder: Path, buckets: tuple[int, ...], cache: Path | None, background: bool) -> ModelRunner:
+    config = EngineConfig(model=str(folder), dtype="float32", max_total_tokens=2048, max_running_requests=4,
+                          decode_buckets=buckets, compile_cache_dir=str(cache) if cache else None,
+                          background_compile=background)
+    return ModelRunner(config, open_checkpoint(str(folder)))
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Holds the background compile thread before each bucket until the test sets it (no timing guesses)."""
+    opened = threading.Event()
+    original = DecodeGraphs._compile_all
+
+    def gated(self: DecodeGraphs, *args: object) -> None:
+        assert opened.wait(600), "the test never opened the gate"
+        original(self, *args)
+
+    monkeypatch.setattr(DecodeGraphs, "_compile_all", gated)
+    return opened
+
+
+def test_serves_eagerly_until_buckets_are_ready_with_the_same_tokens(make_tiny_model: Callable[..., Path],
+                                                                     gate: threading.Event) -> None:
+    folder = make_tiny_model("llama")
+    want = ManualBatch(make_runner(folder, compile=False), PROMPTS).decode(12)
+    torch._dynamo.reset()
+    runner = _runner(folder, (1, 2, 4), None, background=True)
+    graphs = runner.graphs
+    assert graphs.ready_buckets == [] and not graphs.compile_finished.is_set()  # capture returned before compiling
+    batch = ManualBatch(runner, PROMPTS)
+    batch.decode(5)
+    assert graphs.steps_per_bucket[EAGER] == 5 and graphs.steps_per_bucket[4] == 0
+    gate.set()
+    assert graphs.compile_finished.wait(600)
+    assert graphs.ready_buckets == [1, 2, 4]
+    assert batch.decode(7) == want
+    assert graphs.steps_per_bucket[4] == 7  # the compiled bucket took over once it was in
+
+
+def test_saved_bucket_loads_at_once_and_serves_smaller_batches(make_tiny_model: Callable[..., Path],
+                                                               tmp_path: Path, gate: threading.Event) -> None:
+    folder = make_tiny_model("llama")
+    want = ManualBatch(make_runner(folder, compile=False), PROMPTS[:1]).decode(8)
+    gate.set()  # the first runner compiles synchronously: the gate only matters for the second
+    torch._dynamo.reset()
+    _runner(folder, (4,), tmp_path, background=False)  # saves bucket 4's step
+    gate.clear()
+    torch._dynamo.reset()
+    runner = _runner(folder, (1, 2, 4), tmp_path, background=True)
+    graphs = runner.graphs
+    assert graphs.ready_buckets == [4] and graphs.outcomes[4].startswith("loaded")
+    batch = ManualBatch(runner, PROMPTS[:1])
+    batch.decode(3)
+    assert graphs.steps_per_bucket[4] == 3 and graphs.steps_per_bucket[EAGER] == 0  # one row, padded to 4
+    gate.set()
+    assert graphs.compile_finished.wait(600)
+    assert batch.decode(5) == want
+    assert graphs.steps_per_bucket[1] == 5
+
+
+def test_stop_ends_the_background_compile(make_tiny_model: Callable[..., Path], gate: threading.Event) -> None:
+    torch._dynamo.reset()
+    runner = _runner(make_tiny_model("llama"), (1, 2, 4), None, background=True)
+    runner.graphs.stop(0)  # as EngineThread.stop does, here before the first bucket
+    gate.set()
+    assert runner.graphs.compile_finished.wait(60)
+    assert runner.graphs.ready_buckets == []
