@@ -14,6 +14,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 #include <omp.h>
 #include <string>
 
@@ -52,17 +54,25 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa i
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (rows == 0) return out;
-  const at::Tensor xf = kernel.fp32_input ? xc.to(at::kFloat) : at::Tensor();
-  const LinearArgs args{reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()),
-                        kernel.fp32_input ? xf.data_ptr<float>() : nullptr,
+  // Plain buffers, not ATen tensors: at batch 1 a decode step makes ~120 of these calls, and two tensor
+  // allocations plus an ATen conversion each cost ~0.9 ms of a 15 ms step (torch.profiler, AVX2).
+  const uint16_t* xbits = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  std::vector<float> xf;
+  if (kernel.fp32_input) {
+    xf.resize(rows * 2 * k2);
+    for (size_t i = 0; i < xf.size(); ++i) {  // bf16 -> fp32: the 16 bits above 16 zero bits
+      const uint32_t bits = static_cast<uint32_t>(xbits[i]) << 16;
+      std::memcpy(&xf[i], &bits, sizeof(float));
+    }
+  }
+  const LinearArgs args{xbits, kernel.fp32_input ? xf.data() : nullptr,
                         reinterpret_cast<const uint16_t*>(w_packed.data_ptr<c10::BFloat16>()), rows, k2, n,
                         reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>())};
   const int64_t threads = std::min<int64_t>({at::get_num_threads(), blocks, kMaxThreads});
   const bool serial = threads <= 1 || at::in_parallel_region();
   const int64_t per_thread = kernel.scratch_floats(rows, k2);
-  const at::Tensor scratch =
-      at::empty({per_thread > 0 ? (serial ? 1 : threads) * per_thread : 0}, x.options().dtype(at::kFloat));
-  float* scratch_base = per_thread > 0 ? scratch.data_ptr<float>() : nullptr;
+  std::vector<float> scratch(per_thread > 0 ? (serial ? 1 : threads) * per_thread : 0);
+  float* scratch_base = per_thread > 0 ? scratch.data() : nullptr;
   if (serial) {
     for (int64_t b = 0; b < blocks; ++b) kernel.run_block(args, b, scratch_base);
     return out;
