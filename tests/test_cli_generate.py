@@ -19,8 +19,12 @@ def _ember(*args: str) -> subprocess.CompletedProcess[str]:
 def test_generate_prints_only_the_completion(make_tiny_model) -> None:
     folder = make_tiny_model("llama")
     run = _ember("--model", str(folder), "--prompt", "The capital of France", "--max-tokens", "12",
-                 "--dtype", "float32")  # compiled: the CLI compiles just the batch-1 bucket
+                 "--dtype", "float32", "--compile")  # the CLI compiles just the batch-1 bucket
     assert run.returncode == 0, run.stderr
+    eager = _ember("--model", str(folder), "--prompt", "The capital of France", "--max-tokens", "12",
+                   "--dtype", "float32")  # the default: no compile, and no dynamo import
+    assert eager.returncode == 0, eager.stderr
+    assert "decode buckets [1] (eager)" in eager.stderr and eager.stdout == run.stdout
     core = EngineCore(EngineConfig(model=str(folder), dtype="float32", max_running_requests=1,
                                    max_total_tokens=512, disable_compile=True))
     ids = core.tokenizer.encode("The capital of France")

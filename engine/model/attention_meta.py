@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-import engine.ops.attention  # noqa: F401  (registers the ember:: ops)
+from engine.ops.attention import extend_attention  # (the import also registers the ember:: ops)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ class ExtendMeta:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        return torch.ops.ember.extend_attention(
+        # Prefill runs eagerly: the plain function, not the op (see engine/ops/attention.py).
+        return extend_attention(
             q, k, v, k_cache, v_cache, self.out_slots, self.req_to_token, self.req_rows,
             self.prefix_lens, self.extend_lens, scale,
         )

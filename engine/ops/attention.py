@@ -51,7 +51,6 @@ if not NATIVE_DECODE_ATTENTION:
     torch.library.custom_op("ember::decode_attention", mutates_args=("k_cache", "v_cache"))(reference_decode_attention)
 
 
-@torch.library.custom_op("ember::extend_attention", mutates_args=("k_cache", "v_cache"))
 def extend_attention(
     q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
     k: torch.Tensor,  # [T, KVH, D]
@@ -94,3 +93,9 @@ def extend_attention(
         out[start : start + ext] = o.transpose(0, 1)
         start += ext
     return out
+
+
+# Registered as an op for graphs that would trace prefill; the eager prefill (engine/model/attention_meta.py) calls the
+# function itself: through the dispatcher, a Python custom op's first call imports dynamo (~1.3 s of a short
+# `ember generate`), and every call pays the op's Python dispatch.
+torch.library.custom_op("ember::extend_attention", mutates_args=("k_cache", "v_cache"))(extend_attention)
