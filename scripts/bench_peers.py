@@ -3,11 +3,12 @@
 server at a time, repeated and interleaved (E, L, Q, V, E, L, Q, V, ...), with `ember bench` as the client.
 
     scripts/bench_peers.py [--repeats 1] [--servers ember,llama-bf16,llama-q41,vllm] [--concurrency 1,8,32]
-                           [--prompt-len 128] [--max-tokens 128] [--out DIR] [--skip-setup]
+                           [--prompt-len 128] [--max-tokens 128] [--out DIR] [--skip-setup] [--ember-isa avx2]
 
 Installs the peers first with ../shared/peers/setup.sh (idempotent; ~15 min cold, cached under
 ~/.cache/ember-peers; never in CI), waits (bounded) for the 1-minute load average to fall below --max-load,
-then, for each repetition and each server: start it, wait for /health 200, run `ember bench` at each
+then, for each repetition and each server: start it, wait for /health 200 (Ember: and for every decode bucket
+to be compiled, since it serves while they compile in the background), run `ember bench` at each
 concurrency (each run with its own warm-up), stop it. Every run's JSON report lands in --out; the table of
 medians and Ember's ratio to each peer is printed at the end (`python -m server.bench.compare OUT` reprints it).
 
@@ -34,7 +35,8 @@ from server.bench.compare import format_comparison, load_reports  # noqa: E402
 
 PEERS = REPO.parent / "shared" / "peers"
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ember-peers"))
-SERVERS = ("ember", "llama-bf16", "llama-q41", "vllm")
+# The -avx2 names run llama.cpp's AVX2-only build: the peer of Ember's AVX2 tier (`--ember-isa avx2`) on any CPU.
+SERVERS = ("ember", "llama-bf16", "llama-q41", "llama-bf16-avx2", "llama-q41-avx2", "vllm")
 START_TIMEOUT_S = {"ember": 1200.0, "vllm": 900.0}  # Ember compiles its decode buckets; vLLM warms up too
 POLL_S = 1.0
 BENCH_TIMEOUT_S = 1800.0  # one `ember bench` run; a stalled server must not hang the whole comparison
@@ -79,9 +81,23 @@ def health(base: str) -> int:
         return 0  # not listening yet
 
 
-def start(name: str, port: int, cache_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], float]:
-    """Start one server in its own process group and wait for /health 200: (process, seconds to ready)."""
+def compiled(base: str) -> bool:
+    """Every decode bucket of an Ember server is compiled (it serves, slower, while they compile)."""
+    try:
+        with urllib.request.urlopen(f"{base}/get_server_info", timeout=5) as r:
+            info = json.loads(r.read())
+    except OSError:
+        return False
+    return bool(info["compiled_buckets"] == info["decode_buckets"])
+
+
+def start(name: str, port: int, cache_dir: Path, log: Path,
+          ember_isa: str | None = None) -> tuple[subprocess.Popen[bytes], float, float]:
+    """Start one server in its own process group and wait for /health 200 and (Ember) every compiled bucket:
+    (process, seconds to /health 200, seconds until fully compiled)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
+    if ember_isa:
+        env["EMBER_ISA"] = ember_isa
     t0 = time.monotonic()
     with open(log, "wb") as f:
         proc = subprocess.Popen(server_command(name, port, cache_dir), cwd=REPO, env=env, stdout=f,
@@ -93,7 +109,13 @@ def start(name: str, port: int, cache_dir: Path, log: Path) -> tuple[subprocess.
             tail = log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{name} did not become ready (exit {proc.returncode}); log {log}:\n{tail}")
         time.sleep(POLL_S)  # readiness of another process: bounded poll
-    return proc, time.monotonic() - t0
+    ready_s = time.monotonic() - t0
+    while name == "ember" and not compiled(f"http://127.0.0.1:{port}"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"{name} never finished compiling its decode buckets; log {log}")
+        time.sleep(POLL_S)
+    return proc, ready_s, time.monotonic() - t0
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -133,6 +155,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-load", type=float, default=0.5, help="start when the 1-min load is below (default: %(default)s)")
     p.add_argument("--idle-wait", type=float, default=600.0, help="wait at most this for it, seconds (default: %(default)s)")
     p.add_argument("--skip-setup", action="store_true", help="do not run ../shared/peers/setup.sh first")
+    p.add_argument("--ember-isa", default=None, choices=["avx2", "avx512", "avx512bf16"],
+                   help="run Ember on this kernel tier (EMBER_ISA; default: the best the CPU runs)")
     return p.parse_args()
 
 
@@ -163,16 +187,18 @@ def main() -> int:
         for name in servers:
             print(f"=== round {rep + 1}/{args.repeats}: starting {name}", flush=True)
             try:
-                proc, ready_s = start(name, args.port, args.compile_cache_dir, out / "logs" / f"r{rep}-{name}.log")
+                proc, ready_s, compiled_s = start(name, args.port, args.compile_cache_dir,
+                                                  out / "logs" / f"r{rep}-{name}.log", args.ember_isa)
             except RuntimeError as exc:  # one broken server must not cost the others' figures
                 print(f"SKIPPED {name}: {exc}", file=sys.stderr, flush=True)
                 runs.append({"round": rep, "server": name, "error": str(exc)[:500]})
                 continue
-            print(f"{name} ready in {ready_s:.1f} s", flush=True)
+            print(f"{name} ready in {ready_s:.1f} s, fully compiled in {compiled_s:.1f} s", flush=True)
             try:
                 for c in (int(x) for x in args.concurrency.split(",")):
                     report = bench(name, args.port, proc.pid, c, args, out / f"r{rep}-{name}-c{c:03d}.json")
                     runs.append({"round": rep, "server": name, "clients": c, "ready_s": ready_s,
+                                 "compiled_s": compiled_s, "isa": args.ember_isa if name == "ember" else None,
                                  "tok_s": report.get("output_tokens_per_s"), "load1_after": load1()})
             finally:
                 stop(proc)
