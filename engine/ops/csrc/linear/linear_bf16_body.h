@@ -85,37 +85,16 @@ struct LinearBody {
   using StreamFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
   using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool);
 
+  // The row tile for `mt` rows (1 <= mt <= MT): one instantiation per row count, chosen by one compare each.
+  template <int MT>
   static StreamFn stream_for(int64_t mt) {
-    switch (mt) {
-      case 1: return stream_tile<1>;
-      case 2: return stream_tile<2>;
-      case 3: return stream_tile<3>;
-      case 4: return stream_tile<(kStreamRows >= 4 ? 4 : 1)>;
-      case 5: return stream_tile<(kStreamRows >= 5 ? 5 : 1)>;
-      case 6: return stream_tile<(kStreamRows >= 6 ? 6 : 1)>;
-      case 7: return stream_tile<(kStreamRows >= 7 ? 7 : 1)>;
-      case 8: return stream_tile<(kStreamRows >= 8 ? 8 : 1)>;
-      case 9: return stream_tile<(kStreamRows >= 9 ? 9 : 1)>;
-      case 10: return stream_tile<(kStreamRows >= 10 ? 10 : 1)>;
-      case 11: return stream_tile<(kStreamRows >= 11 ? 11 : 1)>;
-      default: return stream_tile<(kStreamRows >= 12 ? 12 : 1)>;
-    }
+    if constexpr (MT == 1) return stream_tile<1>;
+    else return mt == MT ? stream_tile<MT> : stream_for<MT - 1>(mt);
   }
+  template <int MR>
   static TileFn tile_for(int64_t mr) {
-    switch (mr) {
-      case 1: return tile_rows<1>;
-      case 2: return tile_rows<2>;
-      case 3: return tile_rows<3>;
-      case 4: return tile_rows<(kTileRows >= 4 ? 4 : 1)>;
-      case 5: return tile_rows<(kTileRows >= 5 ? 5 : 1)>;
-      case 6: return tile_rows<(kTileRows >= 6 ? 6 : 1)>;
-      case 7: return tile_rows<(kTileRows >= 7 ? 7 : 1)>;
-      case 8: return tile_rows<(kTileRows >= 8 ? 8 : 1)>;
-      case 9: return tile_rows<(kTileRows >= 9 ? 9 : 1)>;
-      case 10: return tile_rows<(kTileRows >= 10 ? 10 : 1)>;
-      case 11: return tile_rows<(kTileRows >= 11 ? 11 : 1)>;
-      default: return tile_rows<(kTileRows >= 12 ? 12 : 1)>;
-    }
+    if constexpr (MR == 1) return tile_rows<1>;
+    else return mr == MR ? tile_rows<MR> : tile_for<MR - 1>(mr);
   }
 
   static int64_t scratch_floats(int64_t rows, int64_t k2) {
@@ -130,7 +109,7 @@ struct LinearBody {
     if (a.rows <= kStreamMax) {
       for (int64_t m0 = 0; m0 < a.rows; m0 += kStreamRows) {
         const int64_t mt = min64(kStreamRows, a.rows - m0);
-        stream_for(mt)(a.xf + m0 * K, K, wb, a.k2, ob + m0 * a.n, a.n, ncols);
+        stream_for<kStreamRows>(mt)(a.xf + m0 * K, K, wb, a.k2, ob + m0 * a.n, a.n, ncols);
       }
       return;
     }
@@ -149,7 +128,7 @@ struct LinearBody {
       }
       for (int64_t m0 = 0; m0 < a.rows; m0 += kTileRows) {
         const int64_t mr = min64(kTileRows, a.rows - m0);
-        tile_for(mr)(a.xf + m0 * K + k0, K, tile, kc, acc + m0 * kBlock, k0 == 0);
+        tile_for<kTileRows>(mr)(a.xf + m0 * K + k0, K, tile, kc, acc + m0 * kBlock, k0 == 0);
       }
     }
     for (int64_t m = 0; m < a.rows; ++m)
