@@ -4,7 +4,7 @@
 //
 // Why not oneDNN: at decode shapes (M = 1..32) its bf16 matrix-vector path streamed weights at ~10-12 GB/s on the
 // AVX512-BF16 machine, and freezing gave every compiled batch bucket its own prepacked copy of all weights.
-#include "linear/linear_bf16.h"
+#include "linear/linear.h"
 
 #include <immintrin.h>
 
@@ -74,10 +74,12 @@ constexpr TileFn kTileFor[] = {nullptr, micro_tile<1>, micro_tile<2>, micro_tile
 void run_block(const LinearArgs& a, int64_t b, float*) {
   const int64_t ncols = a.n - b * kBlock < kBlock ? a.n - b * kBlock : kBlock;
   const auto* xp = reinterpret_cast<const uint32_t*>(a.x);
-  const uint16_t* wb = a.w + b * a.k2 * 2 * kBlock;
+  const int64_t k2 = a.k / 2;
+  const uint16_t* wb = static_cast<const uint16_t*>(a.w) + b * a.k * kBlock;
+  uint16_t* ob = static_cast<uint16_t*>(a.out) + b * kBlock;
   for (int64_t m0 = 0; m0 < a.rows; m0 += kMaxRows) {
     const int64_t mt = a.rows - m0 < kMaxRows ? a.rows - m0 : kMaxRows;
-    kTileFor[mt](xp + m0 * a.k2, a.k2, wb, a.k2, a.out + m0 * a.n + b * kBlock, a.n, ncols);
+    kTileFor[mt](xp + m0 * k2, k2, wb, k2, ob + m0 * a.n, a.n, ncols);
   }
 }
 
@@ -85,5 +87,5 @@ int64_t no_scratch(int64_t, int64_t) { return 0; }
 
 }  // namespace
 
-ember::LinearKernel ember::linear_kernel_avx512bf16() { return {run_block, no_scratch, false}; }
+ember::LinearKernel ember::linear_bf16_kernel_avx512bf16() { return {run_block, no_scratch, false}; }
 #pragma GCC pop_options

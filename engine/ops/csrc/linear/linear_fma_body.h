@@ -11,7 +11,7 @@
 // with the generic copy other files use, and run on a CPU without this ISA.
 #pragma once
 
-#include "linear/linear_bf16.h"
+#include "linear/linear.h"
 
 namespace {
 
@@ -97,19 +97,19 @@ struct LinearBody {
     else return mr == MR ? tile_rows<MR> : tile_for<MR - 1>(mr);
   }
 
-  static int64_t scratch_floats(int64_t rows, int64_t k2) {
+  static int64_t scratch_floats(int64_t rows, int64_t) {
     if (rows <= kStreamMax) return 0;
     return kChunk * kBlock + rows * kBlock;  // the widened tile + fp32 accumulators of every row
   }
 
   static void run_block(const LinearArgs& a, int64_t b, float* scratch) {
-    const int64_t ncols = min64(kBlock, a.n - b * kBlock), K = 2 * a.k2;
-    const uint16_t* wb = a.w + b * a.k2 * 2 * kBlock;
-    uint16_t* ob = a.out + b * kBlock;
+    const int64_t ncols = min64(kBlock, a.n - b * kBlock), K = a.k, k2 = K / 2;
+    const uint16_t* wb = static_cast<const uint16_t*>(a.w) + b * K * kBlock;
+    uint16_t* ob = static_cast<uint16_t*>(a.out) + b * kBlock;
     if (a.rows <= kStreamMax) {
       for (int64_t m0 = 0; m0 < a.rows; m0 += kStreamRows) {
         const int64_t mt = min64(kStreamRows, a.rows - m0);
-        stream_for<kStreamRows>(mt)(a.xf + m0 * K, K, wb, a.k2, ob + m0 * a.n, a.n, ncols);
+        stream_for<kStreamRows>(mt)(a.xf + m0 * K, K, wb, k2, ob + m0 * a.n, a.n, ncols);
       }
       return;
     }
