@@ -94,8 +94,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model, source = self._load_model(checkpoint, prepared)
         n_params = sum(p.numel() for p in self.model.parameters())
+        op = "linear_bf16" if config.dtype == "bfloat16" else "linear_f32"
         log.info("loaded %s from %s (%s, %.1fM parameters, %s%s) in %.1f s", mc.name, source, mc.architecture,
-                 n_params / 1e6, config.dtype, ", linears packed for ember::linear_bf16" if self.model.packed else "",
+                 n_params / 1e6, config.dtype, f", linears packed for ember::{op}" if self.model.packed else "",
                  time.perf_counter() - t0)
         log.info("%s", describe_tiers())
         num_slots = size_kv_pool(config, mc, self.max_context)

@@ -10,11 +10,11 @@ import torch._dynamo
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.ops.native import forced_isa
+from engine.ops.native import NATIVE_LINEAR, forced_isa
 from engine.sampling_params import SamplingParams
 from isa_tiers import LINEAR
 
-# bf16 on every tier with a packed linear kernel, and fp32 (plain weights): no dtype or CPU falls back to freezing.
+# bf16 on every tier with a packed linear kernel, and fp32: no dtype or CPU falls back to freezing.
 CASES = [pytest.param("bfloat16", p.values[0], id=f"bfloat16-{p.id}", marks=p.marks) for p in LINEAR]
 CASES.append(pytest.param("float32", None, id="float32"))
 
@@ -38,7 +38,7 @@ def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None
     first = _core(folder, tmp_path, dtype=dtype)
     graphs = first.runner.graphs
     assert graphs.artifact_dir is not None
-    assert first.runner.model.packed == (dtype == "bfloat16")
+    assert first.runner.model.packed == NATIVE_LINEAR  # both dtypes run packed kernels on AVX2 and up
     assert all(o.startswith("compiled ahead of time") for o in graphs.outcomes.values())
     assert sorted(p.name for p in graphs.artifact_dir.iterdir()) == ["bucket-1.bin", "bucket-2.bin"]
     want = first.generate(prompts, greedy)

@@ -1,5 +1,5 @@
-"""ember::linear_bf16 (engine/ops/csrc/linear/) against fp32 matmul on every ISA tier this CPU runs, and the bf16
-model over packed weights (compiled == eager on each tier)."""
+"""ember::linear_bf16 and ember::linear_f32 (engine/ops/csrc/linear/) against a matmul on every ISA tier this CPU
+runs, and the model over packed weights (compiled == eager on each tier)."""
 from __future__ import annotations
 
 import pytest
@@ -41,6 +41,18 @@ def test_linear_matches_fp32_matmul(m: int, n: int, k: int, isa: str) -> None:
     _check(_bf16(m, k, g=g), _bf16(n, k, g=g), isa)
 
 
+@pytest.mark.parametrize("isa", LINEAR)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 13, 40])
+@pytest.mark.parametrize("n,k", [(1, 2), (31, 64), (33, 67), (100, 576), (960, 1538), (40, 1100)])
+def test_linear_f32_matches_float64_matmul(m: int, n: int, k: int, isa: str) -> None:
+    # fp32 weights packed [N/32, K, 32] (odd K allowed); rows cross the 3- (AVX2) and 12-row (AVX-512) tiles, k the
+    # 512-input chunks.
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    got = torch.ops.ember.linear_f32_isa(x, lin.pack_linear_weight(w), n, isa)
+    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("isa", [p for p in LINEAR if p.id != "avx512bf16"])
 def test_linear_row_results_do_not_depend_on_the_batch(isa: str) -> None:
     # The fp32-FMA tiers sum each row in input order whichever path and row tile ran it, so a request decodes to
@@ -50,6 +62,10 @@ def test_linear_row_results_do_not_depend_on_the_batch(isa: str) -> None:
     alone = torch.cat([torch.ops.ember.linear_bf16_isa(x[i : i + 1], w, 96, isa) for i in range(40)])
     for m in (2, 3, 5, 13, 40):
         assert torch.equal(torch.ops.ember.linear_bf16_isa(x[:m], w, 96, isa), alone[:m])
+    w32, x32 = lin.pack_linear_weight(torch.randn(96, 640, generator=g)), torch.randn(40, 640, generator=g)
+    alone32 = torch.cat([torch.ops.ember.linear_f32_isa(x32[i : i + 1], w32, 96, isa) for i in range(40)])
+    for m in (2, 3, 5, 13, 40):
+        assert torch.equal(torch.ops.ember.linear_f32_isa(x32[:m], w32, 96, isa), alone32[:m])
 
 
 @pytest.mark.parametrize("isa", LINEAR)
@@ -95,6 +111,11 @@ def test_linear_rejects_bad_input() -> None:
         torch.ops.ember.linear_bf16(torch.zeros(2, 30, dtype=torch.bfloat16), w, 64)
     with pytest.raises(RuntimeError, match="blocks"):
         torch.ops.ember.linear_bf16(torch.zeros(2, 32, dtype=torch.bfloat16), w, 65)
+    w32 = lin.pack_linear_weight(torch.zeros(64, 32))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.ember.linear_f32(torch.zeros(2, 32, dtype=torch.bfloat16), w32, 64)
+    with pytest.raises(RuntimeError, match=r"packed \[N_pad/32, K, 32\]"):
+        torch.ops.ember.linear_f32(torch.zeros(2, 32), w.float(), 64)  # a bf16-layout weight
 
 
 def test_pack_roundtrip_and_packed_embedding() -> None:
@@ -106,7 +127,12 @@ def test_pack_roundtrip_and_packed_embedding() -> None:
     ids = torch.tensor([0, 76, 31, 32, 5, 5])
     assert torch.equal(lin.embedding(ids, packed), F.embedding(ids, w))
     with pytest.raises(ValueError, match="even"):
-        lin.pack_linear_weight(torch.zeros(4, 5))
+        lin.pack_linear_weight(torch.zeros(4, 5, dtype=torch.bfloat16))
+    w32 = torch.randn(77, 45, generator=g)  # fp32: [3, 45, 32], odd K is fine
+    packed32 = lin.pack_linear_weight(w32)
+    assert packed32.shape == (3, 45, 32) and not packed32[2, :, 13:].any()
+    assert torch.equal(lin.unpack_linear_weight(packed32, 77), w32)
+    assert torch.equal(lin.embedding(ids, packed32), F.embedding(ids, w32))
 
 
 @needs_kernel
@@ -151,9 +177,11 @@ def test_fake_kernel_matches_the_real_one(isa: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     g = torch.Generator().manual_seed(2)
-    x, w = _bf16(3, 4, 64, g=g), lin.pack_linear_weight(_bf16(45, 64, g=g))
-    with forced_isa(isa):
-        real = torch.ops.ember.linear_bf16(x, w, 45)
-    with FakeTensorMode() as mode:
-        fake = torch.ops.ember.linear_bf16(mode.from_tensor(x), mode.from_tensor(w), 45)
-    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+    for dtype, op in ((torch.bfloat16, torch.ops.ember.linear_bf16), (torch.float32, torch.ops.ember.linear_f32)):
+        x = torch.randn(3, 4, 64, generator=g).to(dtype)
+        w = lin.pack_linear_weight(torch.randn(45, 64, generator=g).to(dtype))
+        with forced_isa(isa):
+            real = op(x, w, 45)
+        with FakeTensorMode() as mode:
+            fake = op(mode.from_tensor(x), mode.from_tensor(w), 45)
+        assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())

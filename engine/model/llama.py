@@ -4,8 +4,9 @@ The forward is a pure function of its inputs plus the weights: tokens are flatte
 tokens of all requests; decode: one per request), caches are passed in per layer, attention inputs arrive
 as one `AttentionMeta`. Q/K/V and gate/up are fused into one matmul each: fewer, fatter GEMMs suit the
 skinny decode shapes, and the loader fills the fused weights slice by slice (no second copy of the weights).
-In bf16 on AVX512-BF16 machines the loader then packs every linear weight for `ember::linear_bf16`
-(engine/ops/linear.py); `linear`/`embedding` take either layout, so this file does not care which it got.
+On every CPU tier with packed kernels (AVX2 and up) the loader then packs every linear weight for
+`ember::linear_bf16` / `linear_f32` (engine/ops/linear.py); `linear`/`embedding` take any layout, so this file
+does not care which it got.
 """
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ class LlamaModel(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """True when the linear weights are in the ember::linear_bf16 layout (engine/model/weights.py)."""
-        return self.layers[0].qkv_proj.dim() == 4
+        """True when the linear weights are packed for ember::linear_bf16 / linear_f32 (engine/model/weights.py)."""
+        return self.layers[0].qkv_proj.dim() != 2
 
     def forward(
         self,
@@ -115,7 +116,7 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logit_rows)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if head.dim() == 4:  # packed for ember::linear_bf16
+        if head.dim() != 2:  # packed for ember::linear_bf16 / linear_f32
             return linear(x, head, self.cfg.vocab_size).float()
         # oneDNN's bf16 GEMM over one vocabulary-wide weight ran 1.4-2.5x slower than over 8192-row slices
         # of it on this machine (49152 x 576: 11.8 -> 8.3 ms at batch 1, 40.9 -> 18.9 ms at batch 32).

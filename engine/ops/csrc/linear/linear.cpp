@@ -1,5 +1,5 @@
-// ember::linear_bf16 on CPU: y[M, N] = x[M, K] @ W[N, K]^T in bf16 with fp32 accumulation, over a weight packed
-// once at load time (layout: linear_bf16.h). This file checks the arguments, picks the block kernel of the active
+// ember::linear_bf16 and ember::linear_f32 on CPU: y[M, N] = x[M, K] @ W[N, K]^T with fp32 accumulation, over a weight
+// packed once at load time (layouts: linear.h). This file checks the arguments, picks the block kernel of the active
 // ISA tier (common/cpu_isa.h) and spreads the output blocks over the threads. ISA: none (generic x86-64).
 //
 // Each thread owns a contiguous range of output blocks and streams it front to back (the hardware prefetcher
@@ -7,7 +7,7 @@
 // counter). A thread that finishes its range takes single blocks from the back of the others': on a 2-core
 // machine the HTTP thread regularly preempts one compute thread for a moment, and with a fixed split the whole
 // call (and the decode step) would wait for it.
-#include "linear/linear_bf16.h"
+#include "linear/linear.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,9 +15,9 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 #include <omp.h>
 #include <string>
+#include <vector>
 
 #include "common/block_range.h"
 #include "common/cpu_isa.h"
@@ -27,55 +27,32 @@ namespace {
 
 constexpr int64_t kMaxThreads = 256;  // block ranges live on the stack; more threads than this are not used
 
-LinearKernel kernel_for(Isa isa) {
+enum class Format { kBf16, kF32 };
+
+LinearKernel kernel_for(Format format, Isa isa) {
+  const char* name = format == Format::kBf16 ? "linear_bf16" : "linear_f32";
   switch (isa) {
-    case Isa::kAvx512Bf16: return linear_kernel_avx512bf16();
-    case Isa::kAvx512: return linear_kernel_avx512();
-    case Isa::kAvx2: return linear_kernel_avx2();
+    case Isa::kAvx512Bf16:
+      return format == Format::kBf16 ? linear_bf16_kernel_avx512bf16() : linear_f32_kernel_avx512();
+    case Isa::kAvx512: return format == Format::kBf16 ? linear_bf16_kernel_avx512() : linear_f32_kernel_avx512();
+    case Isa::kAvx2: return format == Format::kBf16 ? linear_bf16_kernel_avx2() : linear_f32_kernel_avx2();
     case Isa::kScalar: break;
   }
-  TORCH_CHECK(false, "ember::linear_bf16 has no ", isa_name(isa), " kernel (it needs AVX2 or better)");
+  TORCH_CHECK(false, "ember::", name, " has no ", isa_name(isa), " kernel (it needs AVX2 or better)");
 }
 
-at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa isa) {
-  const LinearKernel kernel = kernel_for(isa);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w_packed.scalar_type() == at::kBFloat16,
-              "linear_bf16 takes bfloat16 input and weight");
-  TORCH_CHECK(w_packed.dim() == 4 && w_packed.size(2) == kLinearBlock && w_packed.size(3) == 2 &&
-                  w_packed.is_contiguous(),
-              "weight must be packed [N_pad/32, K/2, 32, 2] (engine/ops/linear.py pack_linear_weight)");
-  const int64_t k2 = w_packed.size(1), blocks = w_packed.size(0);
-  TORCH_CHECK(x.size(-1) == 2 * k2, "input has ", x.size(-1), " features, weight expects ", 2 * k2);
-  TORCH_CHECK(n > (blocks - 1) * kLinearBlock && n <= blocks * kLinearBlock, "n=", n, " does not match ", blocks,
-              " blocks");
-  const at::Tensor xc = x.contiguous();
-  const int64_t rows = xc.numel() / (2 * k2);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options());
-  if (rows == 0) return out;
-  // Plain buffers, not ATen tensors: at batch 1 a decode step makes ~120 of these calls, and two tensor
-  // allocations plus an ATen conversion each cost ~0.9 ms of a 15 ms step (torch.profiler, AVX2).
-  const uint16_t* xbits = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
-  std::vector<float> xf;
-  if (kernel.fp32_input) {
-    xf.resize(rows * 2 * k2);
-    for (size_t i = 0; i < xf.size(); ++i) {  // bf16 -> fp32: the 16 bits above 16 zero bits
-      const uint32_t bits = static_cast<uint32_t>(xbits[i]) << 16;
-      std::memcpy(&xf[i], &bits, sizeof(float));
-    }
-  }
-  const LinearArgs args{xbits, kernel.fp32_input ? xf.data() : nullptr,
-                        reinterpret_cast<const uint16_t*>(w_packed.data_ptr<c10::BFloat16>()), rows, k2, n,
-                        reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>())};
+// Spreads the blocks of one call over the threads (see the top of the file).
+void run_blocks(const LinearKernel& kernel, const LinearArgs& args, int64_t blocks) {
   const int64_t threads = std::min<int64_t>({at::get_num_threads(), blocks, kMaxThreads});
   const bool serial = threads <= 1 || at::in_parallel_region();
-  const int64_t per_thread = kernel.scratch_floats(rows, k2);
+  const int64_t per_thread = kernel.scratch_floats(args.rows, args.k);
+  // Plain buffers, not ATen tensors: at batch 1 a decode step makes ~120 of these calls, and tensor allocations
+  // plus an ATen conversion each cost ~0.9 ms of a 15 ms step (torch.profiler, AVX2).
   std::vector<float> scratch(per_thread > 0 ? (serial ? 1 : threads) * per_thread : 0);
   float* scratch_base = per_thread > 0 ? scratch.data() : nullptr;
   if (serial) {
     for (int64_t b = 0; b < blocks; ++b) kernel.run_block(args, b, scratch_base);
-    return out;
+    return;
   }
   BlockRange ranges[kMaxThreads];
   for (int64_t t = 0; t < threads; ++t) ranges[t].reset(blocks * t / threads, blocks * (t + 1) / threads);
@@ -89,16 +66,69 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa i
       for (int64_t b; (b = other.take_back()) >= 0;) kernel.run_block(args, b, mine);
     }
   }
+}
+
+at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa isa, Format format) {
+  const LinearKernel kernel = kernel_for(format, isa);
+  const bool bf16 = format == Format::kBf16;
+  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(x.scalar_type() == dtype && w_packed.scalar_type() == dtype,
+              bf16 ? "linear_bf16 takes bfloat16 input and weight" : "linear_f32 takes float32 input and weight");
+  const int64_t blocks = w_packed.size(0);
+  int64_t k = 0;
+  if (bf16) {
+    TORCH_CHECK(w_packed.dim() == 4 && w_packed.size(2) == kLinearBlock && w_packed.size(3) == 2 &&
+                    w_packed.is_contiguous(),
+                "weight must be packed [N_pad/32, K/2, 32, 2] (engine/ops/linear.py pack_linear_weight)");
+    k = 2 * w_packed.size(1);
+  } else {
+    TORCH_CHECK(w_packed.dim() == 3 && w_packed.size(2) == kLinearBlock && w_packed.is_contiguous(),
+                "weight must be packed [N_pad/32, K, 32] (engine/ops/linear.py pack_linear_weight)");
+    k = w_packed.size(1);
+  }
+  TORCH_CHECK(x.size(-1) == k, "input has ", x.size(-1), " features, weight expects ", k);
+  TORCH_CHECK(n > (blocks - 1) * kLinearBlock && n <= blocks * kLinearBlock, "n=", n, " does not match ", blocks,
+              " blocks");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.numel() / k;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty(out_shape, x.options());
+  if (rows == 0) return out;
+  LinearArgs args{nullptr, nullptr, w_packed.data_ptr(), rows, k, n, out.data_ptr()};
+  std::vector<float> widened;
+  if (!bf16) {
+    args.xf = xc.data_ptr<float>();
+  } else {
+    args.x = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+    if (kernel.fp32_input) {
+      widened.resize(rows * k);
+      for (size_t i = 0; i < widened.size(); ++i) {  // bf16 -> fp32: the 16 bits above 16 zero bits
+        const uint32_t bits = static_cast<uint32_t>(args.x[i]) << 16;
+        std::memcpy(&widened[i], &bits, sizeof(float));
+      }
+      args.xf = widened.data();
+    }
+  }
+  run_blocks(kernel, args, blocks);
   return out;
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed, int64_t n) {
-  return run(x, w_packed, n, active_isa());
+  return run(x, w_packed, n, active_isa(), Format::kBf16);
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w_packed, int64_t n) {
+  return run(x, w_packed, n, active_isa(), Format::kF32);
 }
 
 // One named tier, whatever is active: how the tests run every tier the CPU supports.
 at::Tensor linear_bf16_isa(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const std::string& isa) {
-  return run(x, w_packed, n, parse_isa(isa));
+  return run(x, w_packed, n, parse_isa(isa), Format::kBf16);
+}
+
+at::Tensor linear_f32_isa(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const std::string& isa) {
+  return run(x, w_packed, n, parse_isa(isa), Format::kF32);
 }
 
 }  // namespace
@@ -107,9 +137,13 @@ at::Tensor linear_bf16_isa(const at::Tensor& x, const at::Tensor& w_packed, int6
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("linear_bf16(Tensor x, Tensor w_packed, int n) -> Tensor");
   m.def("linear_bf16_isa(Tensor x, Tensor w_packed, int n, str isa) -> Tensor");
+  m.def("linear_f32(Tensor x, Tensor w_packed, int n) -> Tensor");
+  m.def("linear_f32_isa(Tensor x, Tensor w_packed, int n, str isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember, CPU, m) {
   m.impl("linear_bf16", &ember::linear_bf16);
   m.impl("linear_bf16_isa", &ember::linear_bf16_isa);
+  m.impl("linear_f32", &ember::linear_f32);
+  m.impl("linear_f32_isa", &ember::linear_f32_isa);
 }

@@ -1,8 +1,11 @@
-// The packed bf16 linear over fp32 multiply-adds, written once over a vector type V (common/simd_*.h) and
-// included by linear_bf16_avx2.cpp and linear_bf16_avx512.cpp inside their ISA's target region.
-// y[M, N] = x[M, K] @ W[N, K]^T: bf16 weights (widened in registers, so memory streams bf16), fp32 accumulation.
+// The packed linear over fp32 multiply-adds, written once over a vector type V (common/simd_*.h) and included by
+// linear_fma_avx2.cpp and linear_fma_avx512.cpp inside their ISA's target region. y[M, N] = x[M, K] @ W[N, K]^T with
+// fp32 accumulation, for both packed formats of linear.h:
 //
-// Two paths per 32-column block:
+// fp32 weights: a block is already an fp32 [K, 32] tile, so every row count runs the register-blocked micro-kernel
+// straight on the weights (tile_rows), streaming the block once per row tile.
+//
+// bf16 weights (widened in registers, so memory streams bf16), two paths per 32-column block:
 //  - few rows (decode): stream the block's bf16 pairs once, widen each vector in registers and multiply it into
 //    every row (bandwidth-bound: the widening hides under the memory stream).
 //  - many rows (prefill): widen K-chunks of the block once into an fp32 tile in L2, then run a register-blocked
@@ -140,6 +143,27 @@ struct LinearBody {
   }
 
   static LinearKernel kernel() { return {run_block, scratch_floats, true}; }
+
+  // fp32 format: row tiles of the micro-kernel over K-chunks of the block (the chunk's weights stay in L1/L2 while
+  // the row tiles pass over them), accumulating in scratch, then the block's columns are copied out.
+  static int64_t f32_scratch_floats(int64_t rows, int64_t) { return rows * kBlock; }
+
+  static void f32_run_block(const LinearArgs& a, int64_t b, float* acc) {
+    const int64_t ncols = min64(kBlock, a.n - b * kBlock), K = a.k;
+    const float* wb = static_cast<const float*>(a.w) + b * K * kBlock;
+    float* ob = static_cast<float*>(a.out) + b * kBlock;
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t kc = min64(kChunk, K - k0);
+      for (int64_t m0 = 0; m0 < a.rows; m0 += kTileRows) {
+        const int64_t mr = min64(kTileRows, a.rows - m0);
+        tile_for<kTileRows>(mr)(a.xf + m0 * K + k0, K, wb + k0 * kBlock, kc, acc + m0 * kBlock, k0 == 0);
+      }
+    }
+    for (int64_t m = 0; m < a.rows; ++m)
+      for (int64_t c = 0; c < ncols; ++c) ob[m * a.n + c] = acc[m * kBlock + c];
+  }
+
+  static LinearKernel f32_kernel() { return {f32_run_block, f32_scratch_floats, true}; }
 };
 
 }  // namespace
