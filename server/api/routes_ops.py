@@ -89,7 +89,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "compiled_buckets": graphs.ready_buckets if graphs.compiled else [],
         "compile_seconds": {str(b): round(s, 3) for b, s in dict(graphs.compile_seconds).items()},
         "isa": {"active": native.active_isa(), "supported": list(native.SUPPORTED_ISAS),
-                "linear_bf16": core.runner.model.packed},
+                "packed_linear": core.runner.model.packed},
         "max_n": settings.max_n,
         "max_request_bytes": settings.max_request_bytes,
         "auth": settings.api_key is not None,
