@@ -55,7 +55,11 @@ class PreparedModel:
             return None
         fields = json.loads(meta.read_text())
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-        return ModelConfig(**fields, hf_config=AutoConfig.from_pretrained(self.dir))
+        # The HF config object only serves rope types other than the default (engine/model/rope.py); parsing it
+        # imports transformers' model-config modules, which import dynamo: ~1 s of a short `ember generate`.
+        rope_type = (fields.get("rope_scaling") or {}).get("rope_type", "default")
+        hf_config = AutoConfig.from_pretrained(self.dir) if rope_type != "default" else None
+        return ModelConfig(**fields, hf_config=hf_config)
 
     def save_config(self, cfg: ModelConfig) -> None:
         def write(tmp: Path) -> None:
