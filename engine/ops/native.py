@@ -23,7 +23,7 @@ log = logging.getLogger("ember.ops")
 CSRC = Path(__file__).parent / "csrc"
 # Every .cpp under csrc/ is part of the extension; headers are found from csrc/ (#include "linear/...").
 SOURCES = tuple(sorted(str(p.relative_to(CSRC)) for p in CSRC.rglob("*.cpp")))
-LINEAR_TIERS = ("avx512bf16", "avx512", "avx2")  # tiers with an ember::linear_bf16 kernel
+LINEAR_TIERS = ("avx512bf16", "avx512", "avx2")  # tiers with packed kernels (ember::linear_bf16 and linear_f32)
 
 
 def _load() -> bool:
@@ -43,15 +43,17 @@ def _load() -> bool:
 
 
 NATIVE_OPS = _load()
-# Tiers this CPU runs, best first; the ops dispatch to ACTIVE_ISA (EMBER_ISA or the best).
-SUPPORTED_ISAS: tuple[str, ...] = tuple(torch.ops.ember.isa_supported()) if NATIVE_OPS else ("python",)
-ACTIVE_ISA: str = str(torch.ops.ember.isa_active()) if NATIVE_OPS else "python"
-NATIVE_LINEAR = NATIVE_OPS and ACTIVE_ISA in LINEAR_TIERS
 
 
 def active_isa() -> str:
     """The tier the ember:: ops run now (ACTIVE_ISA unless a test forced another with `forced_isa`)."""
     return str(torch.ops.ember.isa_active()) if NATIVE_OPS else "python"
+
+
+# Tiers this CPU runs, best first; the ops dispatch to ACTIVE_ISA (EMBER_ISA or the best) from load on.
+SUPPORTED_ISAS: tuple[str, ...] = tuple(torch.ops.ember.isa_supported()) if NATIVE_OPS else ("python",)
+ACTIVE_ISA: str = active_isa()
+NATIVE_LINEAR = NATIVE_OPS and ACTIVE_ISA in LINEAR_TIERS
 
 
 @contextmanager
@@ -72,5 +74,5 @@ def describe_tiers() -> str:
     linear = ACTIVE_ISA if NATIVE_LINEAR else "torch F.linear (no packed kernel on this tier)"
     attention = ACTIVE_ISA if ACTIVE_ISA != "scalar" else "portable C++ loop"
     forced = " (forced by EMBER_ISA)" if os.environ.get("EMBER_ISA") else ""
-    return (f"CPU tiers {', '.join(SUPPORTED_ISAS)}; active {ACTIVE_ISA}{forced}: linear_bf16 {linear}, "
+    return (f"CPU tiers {', '.join(SUPPORTED_ISAS)}; active {ACTIVE_ISA}{forced}: packed linear {linear}, "
             f"decode_attention {attention}")
