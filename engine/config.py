@@ -4,12 +4,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = the embedded SmolLM2-135M-Instruct
     dtype: str = "bfloat16"  # bfloat16 | float32
+    # auto: a GGUF's own quantized formats, a HF folder dense; none: dense in `dtype`; int8 / int4: quantized at
+    # load (engine/quant/quantize.py), int4 in groups of quant_group_size inputs
+    quantization: str = "auto"
+    quant_group_size: int = 32
     max_total_tokens: int | None = None  # KV slots; None = sized from available memory
     mem_fraction: float = 0.3  # of available memory given to the KV pool when max_total_tokens is unset
     max_running_requests: int = 32
@@ -27,6 +32,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quant_group_size not in (32, 128):
+            raise ValueError(f"quant_group_size must be 32 or 128, got {self.quant_group_size}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be at least 1")
         if not self.decode_buckets or any(b < 1 for b in self.decode_buckets):
@@ -42,6 +51,19 @@ class EngineConfig:
         cap = self.max_running_requests
         kept = sorted({b for b in self.decode_buckets if b < cap} | {cap})
         return tuple(kept)
+
+    def quantization_plan(self, gguf: bool) -> tuple[bool, str | None]:
+        """(keep the checkpoint's quantized tensors, quantize dense weights at load to this mode or None)."""
+        if self.quantization in ("int8", "int4"):
+            return False, self.quantization
+        return self.quantization == "auto" and gguf, None
+
+    def weights_tag(self, gguf: bool) -> str:
+        """Names the served weights' form: prepared-cache entries and saved decode steps differ by it."""
+        keep, mode = self.quantization_plan(gguf)
+        if mode == "int4":
+            return f"int4g{self.quant_group_size}"
+        return mode or ("native" if keep else "dense")
 
     @property
     def torch_dtype(self) -> "torch.dtype":  # noqa: F821 - torch imported lazily

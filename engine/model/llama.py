@@ -4,9 +4,9 @@ The forward is a pure function of its inputs plus the weights: tokens are flatte
 tokens of all requests; decode: one per request), caches are passed in per layer, attention inputs arrive
 as one `AttentionMeta`. Q/K/V and gate/up are fused into one matmul each: fewer, fatter GEMMs suit the
 skinny decode shapes, and the loader fills the fused weights slice by slice (no second copy of the weights).
-On every CPU tier with packed kernels (AVX2 and up) the loader then packs every linear weight for
-`ember::linear_bf16` / `linear_f32` (engine/ops/linear.py); `linear`/`embedding` take any layout, so this file
-does not care which it got.
+On every CPU tier with packed kernels (AVX2 and up) the loader then packs every dense linear weight for
+`ember::linear_bf16` / `linear_f32` (engine/ops/linear.py), or keeps it quantized (engine/quant/, a module in place
+of the parameter); `linear`/`embedding` take any of them, so this file does not care which it got.
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from engine.loader.model_config import ModelConfig
 from engine.model.attention_meta import AttentionMeta
 from engine.model.rope import apply_rope
 from engine.ops.linear import embedding, linear
+from engine.quant.module import QuantizedWeight
 
+LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # per layer; the loader packs or quantizes them
 LM_HEAD_SLICE = 8192  # rows of the output projection per GEMM (see LlamaModel.forward)
 
 
@@ -95,8 +97,14 @@ class LlamaModel(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """True when the linear weights are packed for ember::linear_bf16 / linear_f32 (engine/model/weights.py)."""
-        return self.layers[0].qkv_proj.dim() != 2
+        """True when the dense linear weights are packed for ember::linear_bf16 / linear_f32 (engine/model/weights.py)."""
+        dense = [w for w in self.linear_weights() if isinstance(w, torch.Tensor)]
+        return bool(dense) and dense[0].dim() != 2
+
+    def linear_weights(self) -> list[torch.Tensor | QuantizedWeight]:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        layer_weights = [getattr(layer, a) for layer in self.layers for a in LINEAR_WEIGHTS]
+        return [*layer_weights, head]
 
     def forward(
         self,
@@ -107,7 +115,7 @@ class LlamaModel(nn.Module):
         v_caches: list[torch.Tensor],
         logit_rows: torch.Tensor | None = None,  # rows whose logits are wanted (prefill: each request's last token)
     ) -> torch.Tensor:
-        x = embedding(input_ids, self.embed_tokens)
+        x = embedding(input_ids, self.embed_tokens, self.norm.dtype)  # the norms are in the serving dtype
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
@@ -116,7 +124,7 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logit_rows)
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if head.dim() != 2:  # packed for ember::linear_bf16 / linear_f32
+        if isinstance(head, QuantizedWeight) or head.dim() != 2:  # packed, or quantized (engine/quant/)
             return linear(x, head, self.cfg.vocab_size).float()
         # oneDNN's bf16 GEMM over one vocabulary-wide weight ran 1.4-2.5x slower than over 8192-row slices
         # of it on this machine (49152 x 576: 11.8 -> 8.3 ms at batch 1, 40.9 -> 18.9 ms at batch 32).

@@ -1,7 +1,9 @@
 """Build the decoder on the meta device and fill it from a checkpoint's (HF name, tensor) stream.
 
 Each parameter is materialised once, at its first shard, in the target dtype; checkpoint tensors are
-copied in one at a time, so peak memory is the model plus one source tensor.
+copied in one at a time, so peak memory is the model plus one source tensor. Quantized tensors in the stream
+(a GGUF's own formats) are kept as they come and become a QuantizedWeight once every shard of their fused
+weight has arrived; `quantize` turns the dense linear weights into int8/int4 ones after loading.
 """
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import torch
 from torch import nn
 
 from engine.loader.model_config import ModelConfig
-from engine.model.llama import LlamaModel
+from engine.model.llama import LINEAR_WEIGHTS, LlamaModel
 from engine.model.rope import inv_freq_and_scaling, rope_table
 from engine.ops.linear import can_pack, pack_linear_weight
+from engine.quant.format import QuantizedTensor, dequantize
+from engine.quant.module import QuantizedWeight, install
+from engine.quant.quantize import quantize_weight
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # HF name inside a layer -> (our parameter, which shard of a fused weight or None)
@@ -50,12 +55,17 @@ def model_on_meta(cfg: ModelConfig, max_positions: int) -> LlamaModel:
         return LlamaModel(cfg, cos, sin)
 
 
+_FUSED_SHARDS: dict[str, tuple[str, ...]] = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+
 def build_model(
-    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_positions: int,
-    pack: bool = True,
+    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], dtype: torch.dtype,
+    max_positions: int, pack: bool = True, quantize: str | None = None, group: int = 32,
 ) -> LlamaModel:
-    """pack: bf16 linear weights in the ember::linear_bf16 layout where this CPU runs it (False: plain [N, K])."""
+    """pack: dense linear weights in the ember::linear_bf16/f32 layout where this CPU runs it (False: plain [N, K]).
+    quantize: "int8" or "int4" (with `group`) quantizes every dense linear weight (engine/quant/quantize.py)."""
     model = model_on_meta(cfg, max_positions)
+    pending: dict[tuple[nn.Module, str], dict[str | None, QuantizedTensor]] = {}
 
     for name, tensor in tensors:
         target: tuple[nn.Module, str, str | None] | None = None
@@ -71,6 +81,9 @@ def build_model(
         if target is None:
             raise ValueError(f"unexpected weight {name!r} in checkpoint for architecture {cfg.architecture}")
         module, attr, shard = target
+        if isinstance(tensor, QuantizedTensor):
+            pending.setdefault((module, attr), {})[shard] = tensor
+            continue
         param = getattr(module, attr)
         if param.is_meta:
             param = nn.Parameter(torch.empty(param.shape, dtype=dtype), requires_grad=False)
@@ -80,15 +93,53 @@ def build_model(
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)
 
+    for (module, attr), shards in pending.items():
+        _place_quantized(cfg, module, attr, shards, dtype)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if quantize is not None:
+        quantize_weights(model, quantize, group)
     if pack and can_pack(dtype):
         pack_weights(model)
     return model.eval()
 
 
-PACKED_LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+def _place_quantized(cfg: ModelConfig, module: nn.Module, attr: str, shards: dict[str | None, QuantizedTensor],
+                     dtype: torch.dtype) -> None:
+    """All shards quantized: install them as one QuantizedWeight (in shard order). A fused weight whose other
+    shards came dense (an F16 attn_v beside Q4_K attn_q, say) is served dense: its quantized shards are
+    dequantized into it."""
+    order = _FUSED_SHARDS.get(attr, (None,))
+    param = getattr(module, attr)
+    if isinstance(param, nn.Parameter) and param.is_meta and set(shards) == set(order):
+        parts = [shards[s] for s in order]
+        if (sum(p.shape[0] for p in parts), parts[0].shape[1]) != tuple(param.shape):
+            raise ValueError(f"quantized {attr} has shape {[p.shape for p in parts]}, expected {tuple(param.shape)}")
+        install(module, attr, QuantizedWeight.from_tensors(parts))
+        return
+    if param.is_meta:
+        param = nn.Parameter(torch.empty(param.shape, dtype=dtype), requires_grad=False)
+        setattr(module, attr, param)
+    for shard, q in shards.items():
+        dst = param.data if shard is None else param.data[slice(*_shard_range(cfg, shard))]
+        dst.copy_(dequantize(q))
+
+
+def quantize_weights(model: LlamaModel, mode: str, group: int) -> None:
+    """Replace each dense linear weight by its int8/int4 form, one at a time (peak: the dense model)."""
+    def convert(module: nn.Module, attr: str, head: bool) -> None:
+        w = getattr(module, attr)
+        if isinstance(w, torch.Tensor):
+            install(module, attr, QuantizedWeight.from_tensors([quantize_weight(w.data, mode, group, head)]))
+
+    for layer in model.layers:
+        for attr in PACKED_LAYER_WEIGHTS:
+            convert(layer, attr, head=False)
+    convert(model, "embed_tokens" if model.lm_head is None else "lm_head", head=True)
+
+
+PACKED_LAYER_WEIGHTS = LINEAR_WEIGHTS
 
 
 def pack_weights(model: LlamaModel) -> None:
@@ -98,7 +149,10 @@ def pack_weights(model: LlamaModel) -> None:
     model keeps a single copy of it.
     """
     def repack(module: nn.Module, attr: str) -> None:
-        packed = pack_linear_weight(getattr(module, attr).data)
+        w = getattr(module, attr)
+        if not isinstance(w, torch.Tensor):
+            return  # quantized: ember::linear_q reads its own format
+        packed = pack_linear_weight(w.data)
         setattr(module, attr, nn.Parameter(packed, requires_grad=False))
 
     for layer in model.layers:

@@ -4,6 +4,7 @@ A packed bf16 weight is [N_pad / 32, K / 2, 32, 2]: blocks of 32 output columns,
 values. A packed fp32 weight is [N_pad / 32, K, 32]: blocks of 32 output columns, a row of 32 per input. The model
 keeps ONLY the packed copy, shared by eager prefill and every compiled decode bucket; `linear` and `embedding`
 accept any of the three layouts (the rank tells them apart), so a tier without packed kernels keeps plain [N, K].
+A quantized weight (engine/quant/) is a module instead of a tensor, and runs ember::linear_q on every tier.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops.native import NATIVE_LINEAR
+from engine.quant.module import QuantizedWeight
 
 BLOCK = 32
 
@@ -44,8 +46,10 @@ def reference_linear(x: torch.Tensor, w_packed: torch.Tensor, n: int) -> torch.T
     return F.linear(x, unpack_linear_weight(w_packed, n))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
-    """x @ w.T for a plain [n, K] or a packed weight (a static branch: dynamo sees one or the other)."""
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, n: int) -> torch.Tensor:
+    """x @ w.T for a plain [n, K], a packed or a quantized weight (a static branch: dynamo sees one of them)."""
+    if isinstance(w, QuantizedWeight):
+        return w(x)
     if w.dim() == 4:
         return torch.ops.ember.linear_bf16(x, w, n)
     if w.dim() == 3:
@@ -53,8 +57,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def embedding(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a plain [V, K] or packed embedding table (tied heads keep one packed copy)."""
+def embedding(ids: torch.Tensor, w: torch.Tensor | QuantizedWeight,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` of a plain [V, K], packed or quantized embedding table (tied heads keep one copy); a quantized
+    table's rows come out in `dtype`, the others' in their own."""
+    if isinstance(w, QuantizedWeight):
+        return w.rows(ids, dtype)
     if w.dim() == 4:
         # Row r lives in block r // 32 at column r % 32, spread over the K / 2 pairs: [T, K / 2, 2] -> [T, K].
         return w[ids // BLOCK, :, ids % BLOCK, :].reshape(ids.shape[0], -1)

@@ -31,6 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="weight and KV dtype (default: %(default)s)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="auto: a GGUF's own formats (Q4_1, Q8_0, Q4_K, ...) on Ember's quantized kernels, a HF folder "
+                        "dense; none: every weight dequantized to --dtype (the exact-parity path); int8 / int4: "
+                        "quantize a checkpoint's weights at load (default: %(default)s)")
+    g.add_argument("--quant-group-size", type=int, default=32, choices=[32, 128],
+                   help="inputs per scale for --quantization int4 (default: %(default)s)")
     g.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV pool size in tokens (default: sized from available memory with --mem-fraction)")
     g.add_argument("--mem-fraction", type=float, default=0.3,
@@ -66,7 +72,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from engine.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, quant_group_size=args.quant_group_size, max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
         max_running_requests=args.max_running_requests, max_context_len=args.max_context_len,
         decode_buckets=args.decode_buckets, disable_compile=args.disable_compile,
         compile_cache_dir=args.compile_cache_dir, cpp_wrapper=args.cpp_wrapper,

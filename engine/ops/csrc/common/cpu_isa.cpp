@@ -14,7 +14,7 @@ namespace {
 
 struct Features {
   bool avx2 = false, fma = false, f16c = false;
-  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false, avx512vnni = false;
   bool os_ymm = false, os_zmm = false;
 };
 
@@ -37,6 +37,7 @@ Features read_features() {
     f.avx512dq = b & (1u << 17);
     f.avx512bw = b & (1u << 30);
     f.avx512vl = b & (1u << 31);
+    f.avx512vnni = c & (1u << 11);
   }
   if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512bf16 = a & (1u << 5);
   return f;
@@ -70,6 +71,14 @@ const char* isa_name(Isa isa) {
     case Isa::kAvx512Bf16: return "avx512bf16";
   }
   return "?";
+}
+
+bool cpu_has_avx512_vnni() {
+  static const bool has = [] {
+    const Features f = read_features();
+    return cpu_runs(Isa::kAvx512, f) && f.avx512vnni;
+  }();
+  return has;
 }
 
 std::vector<Isa> supported_isas() {

@@ -19,6 +19,9 @@ std::vector<Isa> supported_isas();
 Isa active_isa();
 // Makes `name` the active tier for every later call (start-up: EMBER_ISA; tests: each tier in turn).
 Isa select_isa(const std::string& name);
+// Whether the CPU has AVX512-VNNI (with the avx512 tier's F/BW/VL/DQ): picks ember::linear_q's kernel on the
+// AVX-512 tiers, which do not otherwise require it (Skylake-SP has AVX-512 without VNNI).
+bool cpu_has_avx512_vnni();
 // Parses a tier name ("scalar", "avx2", "avx512", "avx512bf16"); throws for unknown or unsupported tiers.
 Isa parse_isa(const std::string& name);
 

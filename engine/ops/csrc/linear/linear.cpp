@@ -1,31 +1,21 @@
 // ember::linear_bf16 and ember::linear_f32 on CPU: y[M, N] = x[M, K] @ W[N, K]^T with fp32 accumulation, over a weight
 // packed once at load time (layouts: linear.h). This file checks the arguments, picks the block kernel of the active
-// ISA tier (common/cpu_isa.h) and spreads the output blocks over the threads. ISA: none (generic x86-64).
-//
-// Each thread owns a contiguous range of output blocks and streams it front to back (the hardware prefetcher
-// follows one sequential stream per thread best: measured 10-15 % faster than interleaved runs from a shared
-// counter). A thread that finishes its range takes single blocks from the back of the others': on a 2-core
-// machine the HTTP thread regularly preempts one compute thread for a moment, and with a fixed split the whole
-// call (and the decode step) would wait for it.
+// ISA tier (common/cpu_isa.h) and spreads the output blocks over the threads (common/parallel_blocks.h).
+// ISA: none (generic x86-64).
 #include "linear/linear.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstring>
-#include <omp.h>
 #include <string>
 #include <vector>
 
-#include "common/block_range.h"
 #include "common/cpu_isa.h"
+#include "common/parallel_blocks.h"
 
 namespace ember {
 namespace {
-
-constexpr int64_t kMaxThreads = 256;  // block ranges live on the stack; more threads than this are not used
 
 enum class Format { kBf16, kF32 };
 
@@ -39,33 +29,6 @@ LinearKernel kernel_for(Format format, Isa isa) {
     case Isa::kScalar: break;
   }
   TORCH_CHECK(false, "ember::", name, " has no ", isa_name(isa), " kernel (it needs AVX2 or better)");
-}
-
-// Spreads the blocks of one call over the threads (see the top of the file).
-void run_blocks(const LinearKernel& kernel, const LinearArgs& args, int64_t blocks) {
-  const int64_t threads = std::min<int64_t>({at::get_num_threads(), blocks, kMaxThreads});
-  const bool serial = threads <= 1 || at::in_parallel_region();
-  const int64_t per_thread = kernel.scratch_floats(args.rows, args.k);
-  // Plain buffers, not ATen tensors: at batch 1 a decode step makes ~120 of these calls, and tensor allocations
-  // plus an ATen conversion each cost ~0.9 ms of a 15 ms step (torch.profiler, AVX2).
-  std::vector<float> scratch(per_thread > 0 ? (serial ? 1 : threads) * per_thread : 0);
-  float* scratch_base = per_thread > 0 ? scratch.data() : nullptr;
-  if (serial) {
-    for (int64_t b = 0; b < blocks; ++b) kernel.run_block(args, b, scratch_base);
-    return;
-  }
-  BlockRange ranges[kMaxThreads];
-  for (int64_t t = 0; t < threads; ++t) ranges[t].reset(blocks * t / threads, blocks * (t + 1) / threads);
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t me = omp_get_thread_num();
-    float* mine = scratch_base == nullptr ? nullptr : scratch_base + me * per_thread;
-    for (int64_t b; (b = ranges[me].take_front()) >= 0;) kernel.run_block(args, b, mine);
-    for (int64_t i = 1; i < threads; ++i) {
-      BlockRange& other = ranges[(me + i) % threads];
-      for (int64_t b; (b = other.take_back()) >= 0;) kernel.run_block(args, b, mine);
-    }
-  }
 }
 
 at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa isa, Format format) {
@@ -110,7 +73,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa i
       args.xf = widened.data();
     }
   }
-  run_blocks(kernel, args, blocks);
+  parallel_blocks(blocks, kernel.scratch_floats(rows, k),
+                  [&](int64_t b, float* scratch) { kernel.run_block(args, b, scratch); });
   return out;
 }
 
