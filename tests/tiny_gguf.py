@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -63,8 +64,10 @@ def llama3_rope_factors(theta: float, head_dim: int, scaling: dict[str, float]) 
     return np.array(out, dtype=np.float32)
 
 
-def write_tiny_gguf(hf_folder: Path, out: Path, eot_token_id: int | None = None) -> Path:
-    """Convert `hf_folder` (a tests.tiny_models folder) to `out`; mistral is written as llama, like llama.cpp."""
+def write_tiny_gguf(hf_folder: Path, out: Path, eot_token_id: int | None = None,
+                    qtype: GGMLQuantizationType | None = None) -> Path:
+    """Convert `hf_folder` (a tests.tiny_models folder) to `out`; mistral is written as llama, like llama.cpp.
+    qtype: store every 2-D weight quantized to that type (gguf's own quantizer), as llama-quantize would."""
     cfg = AutoConfig.from_pretrained(hf_folder)
     arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
     w = GGUFWriter(out, arch)
@@ -92,7 +95,11 @@ def write_tiny_gguf(hf_folder: Path, out: Path, eot_token_id: int | None = None)
             t = llama_cpp_permute(t, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             t = llama_cpp_permute(t, cfg.num_key_value_heads)
-        w.add_tensor(gguf_name(name), t.float().numpy())
+        values = t.float().numpy()
+        if qtype is not None and values.ndim == 2:
+            w.add_tensor(gguf_name(name), quantize(values, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
