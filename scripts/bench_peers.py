@@ -36,7 +36,11 @@ from server.bench.compare import format_comparison, load_reports  # noqa: E402
 PEERS = REPO.parent / "shared" / "peers"
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ember-peers"))
 # The -avx2 names run llama.cpp's AVX2-only build: the peer of Ember's AVX2 tier (`--ember-isa avx2`) on any CPU.
-SERVERS = ("ember", "llama-bf16", "llama-q41", "llama-bf16-avx2", "llama-q41-avx2", "vllm")
+# ember: the bf16 HF folder; ember-q41: the wheel's Q4_1 GGUF in its own formats (the default model, as served by
+# default); ember-q80 / llama-q80[-avx2]: the Q8_0 GGUF made by convert_hf_to_gguf.py --outtype q8_0 (README).
+SERVERS = ("ember", "ember-q41", "ember-q80", "llama-bf16", "llama-q41", "llama-q80", "llama-bf16-avx2",
+           "llama-q41-avx2", "llama-q80-avx2", "vllm")
+Q80 = PEERS_DIR / "smollm2" / "q8_0.gguf"
 START_TIMEOUT_S = {"ember": 1200.0, "vllm": 900.0}  # Ember compiles its decode buckets; vLLM warms up too
 POLL_S = 1.0
 BENCH_TIMEOUT_S = 1800.0  # one `ember bench` run; a stalled server must not hang the whole comparison
@@ -62,10 +66,20 @@ def wait_for_idle(max_load: float, wait_s: float, every_s: float = 30.0) -> tupl
 
 
 def server_command(name: str, port: int, cache_dir: Path) -> list[str]:
-    if name != "ember":
+    if name.startswith("llama-q80"):  # start.sh knows no Q8_0 file: its llama-q41 flags on the Q8_0 one
+        build = "llama.cpp-build-avx2" if name.endswith("-avx2") else "llama.cpp-build"
+        cores = str(os.cpu_count() or 1)
+        return [str(PEERS_DIR / build / "bin" / "llama-server"), "-m", str(Q80), "-a", "model", "--host",
+                "127.0.0.1", "--port", str(port), "-t", cores, "-tb", cores, "-np", "32", "-c", "16384",
+                "--no-webui", "--no-repack"]
+    if not name.startswith("ember"):
         return [str(PEERS / "start.sh"), name, str(port)]
     hf = PEERS_DIR / "smollm2" / "hf-bf16"
     model = ["--model", str(hf)] if (hf / "model.safetensors").exists() else []  # else the embedded GGUF
+    if name == "ember-q41":
+        model = []  # the embedded Q4_1 GGUF, --quantization auto
+    elif name == "ember-q80":
+        model = ["--model", str(Q80)]
     return [PY, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *model,
             "--served-model-name", "model", "--dtype", "bfloat16", "--compile-cache-dir", str(cache_dir),
             "--max-total-tokens", "16384", "--max-running-requests", "32"]
@@ -102,7 +116,7 @@ def start(name: str, port: int, cache_dir: Path, log: Path,
     with open(log, "wb") as f:
         proc = subprocess.Popen(server_command(name, port, cache_dir), cwd=REPO, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = t0 + START_TIMEOUT_S.get(name, 300.0)
+    deadline = t0 + START_TIMEOUT_S.get("ember" if name.startswith("ember") else name, 300.0)
     while health(f"http://127.0.0.1:{port}") != 200:
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(proc)
@@ -110,7 +124,7 @@ def start(name: str, port: int, cache_dir: Path, log: Path,
             raise RuntimeError(f"{name} did not become ready (exit {proc.returncode}); log {log}:\n{tail}")
         time.sleep(POLL_S)  # readiness of another process: bounded poll
     ready_s = time.monotonic() - t0
-    while name == "ember" and not compiled(f"http://127.0.0.1:{port}"):
+    while name.startswith("ember") and not compiled(f"http://127.0.0.1:{port}"):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(proc)
             raise RuntimeError(f"{name} never finished compiling its decode buckets; log {log}")
@@ -198,14 +212,15 @@ def main() -> int:
                 for c in (int(x) for x in args.concurrency.split(",")):
                     report = bench(name, args.port, proc.pid, c, args, out / f"r{rep}-{name}-c{c:03d}.json")
                     runs.append({"round": rep, "server": name, "clients": c, "ready_s": ready_s,
-                                 "compiled_s": compiled_s, "isa": args.ember_isa if name == "ember" else None,
+                                 "compiled_s": compiled_s, "isa": args.ember_isa if name.startswith("ember") else None,
                                  "tok_s": report.get("output_tokens_per_s"), "load1_after": load1()})
             finally:
                 stop(proc)
     meta = {"start_load": load, "idle_at_start": idle, "servers": servers, "argv": sys.argv[1:], "runs": runs}
     (out / "summary.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"\nreports: {out}\n")
-    print(format_comparison(load_reports(out), "ember"))
+    for ref in [s for s in servers if s.startswith("ember")] or ["ember"]:
+        print(format_comparison(load_reports(out), ref))
     return 0
 
 

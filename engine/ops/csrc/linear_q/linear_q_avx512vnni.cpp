@@ -17,9 +17,10 @@ struct VnniDot {
 };
 }  // namespace
 
+#include "common/simd_avx512.h"
 #include "linear_q/linear_q_body.h"
 
 ember::QLinearKernel ember::linear_q_kernel_avx512vnni(const QLayout& layout) {
-  return QLinearBody<VnniDot>::kernel(layout);
+  return QLinearBody<VnniDot, Avx512>::kernel(layout);
 }
 #pragma GCC pop_options

@@ -14,6 +14,7 @@
 // tiles pass over it, and activations stay in L1/L2.
 #pragma once
 
+#include "linear/linear_fma_body.h"
 #include "linear_q/linear_q.h"
 
 namespace {
@@ -41,7 +42,7 @@ inline uint16_t q_to_bf16(float f) {  // round to nearest even, as torch rounds
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-template <class P>
+template <class P, class V>
 struct QLinearBody {
   // res[r * MT + m] = sum over blocks of s_r(b) * xd[m, b] * <q_r, xq[m]> for NR rows r0.. of one 4-row group
   // (linear_q.h: the group's blocks interleave its rows, bpb bytes each; its scales interleave likewise, one per
@@ -168,6 +169,108 @@ struct QLinearBody {
     }
   }
 
+  // ---- many rows (prefill): dequantize a block's 32 rows once per K-chunk into an fp32 [kc, 32] tile and run
+  // the packed fp32 linear's register-blocked micro-kernel (linear_fma_body.h) over every row on fp32 activations.
+  // Measured against the integer path at 128 rows (AVX2): ~2.5x, as it does 32 fp32 FMAs per 8 loaded values
+  // where the integer path converts and scales every block of every row.
+
+  // out[r * ldo + i] = W[n0 + r, k0 + i] for i < kc, r < 32 (rows past N: zero).
+  template <bool Q4, bool F16, bool MIN, bool G16>
+  static void dequant_rows(const QLinearArgs& a, int64_t n0, int64_t k0, int64_t kc, float* out, int64_t ldo) {
+    constexpr int64_t bpb = Q4 ? 16 : 32;
+    const int64_t k = a.k, groups = k / a.layout.group, row_bytes = Q4 ? k / 2 : k;
+    const __m256i low4 = _mm256_set1_epi16(0x0F);
+    const __m256i spread = _mm256_setr_epi8(0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1,
+                                            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1);
+    for (int64_t r = 0; r < kQBlockRows; ++r) {
+      const int64_t n = n0 + r;
+      float* o = out + r * ldo;
+      if (n >= a.n) {
+        for (int64_t i = 0; i < kc; ++i) o[i] = 0.0f;
+        continue;
+      }
+      const uint8_t* w = a.w + (n / 4) * 4 * row_bytes;
+      const int64_t rr = n % 4, sg = (n / 4) * 4 * groups;
+      for (int64_t b = k0 / 32; b < (k0 + kc) / 32; ++b) {
+        const uint8_t* wb = w + (4 * b + rr) * bpb;
+        __m256i lo, hi;
+        if constexpr (Q4) {
+          const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
+          const __m256i bytes = _mm256_shuffle_epi8(raw, spread);
+          lo = _mm256_and_si256(bytes, low4);
+          hi = _mm256_srli_epi16(bytes, 4);
+        } else {
+          lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
+          hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16)));
+        }
+        const int64_t g_lo = G16 ? 2 * b : 32 * b / a.layout.group, g_hi = G16 ? 2 * b + 1 : g_lo;
+        const __m256 s_lo = _mm256_set1_ps(scale_at<F16>(a.scales, sg + 4 * g_lo + rr));
+        const __m256 s_hi = _mm256_set1_ps(scale_at<F16>(a.scales, sg + 4 * g_hi + rr));
+        const __m256 m = _mm256_set1_ps(MIN ? scale_at<F16>(a.mins, sg + 4 * g_lo + rr) : 0.0f);
+        float* ob = o + 32 * b - k0;
+        const __m256i parts[4] = {lo, lo, hi, hi};
+        for (int j = 0; j < 4; ++j) {
+          const __m128i half = (j & 1) ? _mm256_extracti128_si256(parts[j], 1) : _mm256_castsi256_si128(parts[j]);
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half));
+          _mm256_storeu_ps(ob + 8 * j, _mm256_fmadd_ps(v, j < 2 ? s_lo : s_hi, m));
+        }
+      }
+    }
+  }
+
+  template <bool F16>
+  static float scale_at(const void* p, int64_t i) {
+    if constexpr (F16) return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+    else return static_cast<const float*>(p)[i];
+  }
+
+  // dst[c * 32 + r] = src[r * lds + c] for r < 32, c < kc (kc a multiple of 8): 8 x 8 transposes.
+  static void transpose_to_tile(const float* src, int64_t lds, int64_t kc, float* dst) {
+    for (int64_t r0 = 0; r0 < kQBlockRows; r0 += 8)
+      for (int64_t c0 = 0; c0 < kc; c0 += 8) {
+        __m256 v[8];
+        for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(src + (r0 + i) * lds + c0);
+        const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        const __m256 o[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                             _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                             _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                             _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (c0 + i) * kQBlockRows + r0, o[i]);
+      }
+  }
+
+  template <bool Q4, bool F16, bool MIN, bool G16>
+  static void run_block_tile(const QLinearArgs& a, int64_t block, float* scratch) {
+    using Fma = LinearBody<V>;
+    const int64_t k = a.k, n0 = block * kQBlockRows, nr = qmin64(kQBlockRows, a.n - n0);
+    float* tile = scratch;                              // [kQTileChunk, 32]
+    float* rows = tile + ember::kQTileChunk * kQBlockRows;  // [32, kQTileChunk]
+    float* acc = rows + kQBlockRows * ember::kQTileChunk;   // [a.rows, 32]
+    for (int64_t k0 = 0; k0 < k; k0 += ember::kQTileChunk) {
+      const int64_t kc = qmin64(ember::kQTileChunk, k - k0);  // a multiple of 32
+      dequant_rows<Q4, F16, MIN, G16>(a, n0, k0, kc, rows, ember::kQTileChunk);
+      transpose_to_tile(rows, ember::kQTileChunk, kc, tile);
+      for (int64_t m0 = 0; m0 < a.rows; m0 += Fma::kTileRows) {
+        const int64_t mr = qmin64(Fma::kTileRows, a.rows - m0);
+        Fma::template tile_for<Fma::kTileRows>(mr)(a.xf + m0 * k + k0, k, tile, kc, acc + m0 * kQBlockRows, k0 == 0);
+      }
+    }
+    for (int64_t m = 0; m < a.rows; ++m)
+      for (int64_t c = 0; c < nr; ++c) {
+        const float y = acc[m * kQBlockRows + c];
+        const int64_t at = m * a.n + n0 + c;
+        if (a.out_bf16) static_cast<uint16_t*>(a.out)[at] = q_to_bf16(y);
+        else static_cast<float*>(a.out)[at] = y;
+      }
+  }
+
   // 32 fp32 values (8 per vector) -> int16 with one scale; returns the sum of the int16 values.
   static int32_t quantize_block(const __m256 v[4], int16_t* q, float* d_out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -214,20 +317,19 @@ struct QLinearBody {
       }
   }
 
+  template <bool Q4, bool F16, bool MIN, bool G16>
+  static QLinearKernel make() {
+    return {run_block<Q4, F16, MIN, G16>, quantize, run_block_tile<Q4, F16, MIN, G16>};
+  }
+
   static QLinearKernel kernel(const QLayout& l) {
-    using Run = void (*)(const QLinearArgs&, int64_t, float*);
-    Run run;
-    const bool g16 = l.group == 16;
-    if (l.bits == 4) {
-      run = l.f16_scales ? (l.has_min ? run_block<true, true, true, false> : run_block<true, true, false, false>)
-                         : (l.has_min ? run_block<true, false, true, false> : run_block<true, false, false, false>);
-    } else if (g16) {  // per-16 groups carry no mins (the driver refuses them)
-      run = l.f16_scales ? run_block<false, true, false, true> : run_block<false, false, false, true>;
-    } else {
-      run = l.f16_scales ? (l.has_min ? run_block<false, true, true, false> : run_block<false, true, false, false>)
-                         : (l.has_min ? run_block<false, false, true, false> : run_block<false, false, false, false>);
-    }
-    return {run, quantize};
+    if (l.bits == 4)
+      return l.f16_scales ? (l.has_min ? make<true, true, true, false>() : make<true, true, false, false>())
+                          : (l.has_min ? make<true, false, true, false>() : make<true, false, false, false>());
+    if (l.group == 16)  // per-16 groups carry no mins (the driver refuses them)
+      return l.f16_scales ? make<false, true, false, true>() : make<false, false, false, true>();
+    return l.f16_scales ? (l.has_min ? make<false, true, true, false>() : make<false, true, false, false>())
+                        : (l.has_min ? make<false, false, true, false>() : make<false, false, false, false>());
   }
 };
 

@@ -103,4 +103,5 @@ void quantize(const float* xf, const uint16_t* xb, int64_t rows, int64_t k, int1
 
 }  // namespace
 
-ember::QLinearKernel ember::linear_q_kernel_scalar(const QLayout&) { return {run_block, quantize}; }
+// No fp32 tile path: the scalar tier runs the integer reference at every row count.
+ember::QLinearKernel ember::linear_q_kernel_scalar(const QLayout&) { return {run_block, quantize, nullptr}; }
