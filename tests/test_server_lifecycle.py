@@ -202,7 +202,8 @@ def test_sigterm_while_compiling_exits_0_at_once(tiny_model: Path, tmp_path: Pat
 
 @pytest.mark.slow
 def test_smollm2_answers_paris(tmp_path: Path) -> None:
-    args = ["--dtype", "float32", "--disable-compile", "--max-total-tokens", "4096", "--max-running-requests", "1"]
+    """As served by default: bf16 activations over the GGUF's own Q4_1 (and Q8_0 head) weights."""
+    args = ["--disable-compile", "--max-total-tokens", "4096", "--max-running-requests", "1"]
     question = [{"role": "user", "content": "What is the capital of France?"}]
     with run_server(args, tmp_path / "smollm2.log", timeout=300) as srv:
         smol = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -213,3 +214,6 @@ def test_smollm2_answers_paris(tmp_path: Path) -> None:
         streamed = smol.chat.completions.create(model=model, temperature=0, max_tokens=30, stream=True,
                                                 messages=question)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
+        info = httpx.get(srv.base_url + "/get_server_info").json()
+        assert info["quantization"] == {"mode": "auto", "weights": "native", "formats": {"Q4_1": 120, "Q8_0": 1}}
+        assert info["dtype"] == "bfloat16" and info["isa"]["linear_q"] in ("avx2", "avx512vnni")

@@ -90,7 +90,10 @@ class PreparedModel:
         path = self._weights_path(dtype, packed, tag)
         if not path.is_file():
             return False
-        tensors = load_file(path)
+        # Copied out of the file's memory map into anonymous memory: streaming weights from file-backed 4 KiB pages
+        # made every decode step slower than on the weights a fresh load allocates (Q4_1 default model, AVX2,
+        # one client: 52.7 against 72.0 tok/s) - the copy costs ~0.1 s.
+        tensors = {name: t.clone() for name, t in load_file(path).items()}
         with safe_open(path, "pt") as f:
             info = json.loads((f.metadata() or {}).get("quantized", "{}"))
         try:

@@ -115,17 +115,22 @@ def state_info(model: nn.Module) -> dict[str, list[tuple[str, int]]]:
     return {name: [(p.source, p.out_features) for p in w.parts] for name, w in quantized_weights(model).items()}
 
 
+def quantized_formats(model: nn.Module) -> dict[str, int]:
+    """How many kernel calls' worth of weights each source format has ({"Q4_1": 120, "Q8_0": 1}; {} if dense)."""
+    counts: dict[str, int] = {}
+    for w in quantized_weights(model).values():
+        for s in w.sources():
+            counts[s] = counts.get(s, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def describe_weights(model: nn.Module, dtype: str) -> str:
     """One phrase for the load log: sizes, and which formats the linear weights run in."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     quant = quantized_weights(model)
     if not quant:
         return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {dense / 2**20:.0f} MiB {dtype}"
-    counts: dict[str, int] = {}
-    for w in quant.values():
-        for s in w.sources():
-            counts[s] = counts.get(s, 0) + 1
-    formats = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+    formats = ", ".join(f"{k} x{v}" for k, v in quantized_formats(model).items())
     qbytes = sum(w.nbytes() for w in quant.values())
     return (f"{(dense + qbytes) / 2**20:.0f} MiB of weights: linears quantized ({formats}: {qbytes / 2**20:.0f} MiB) "
             f"on ember::linear_q, the rest {dtype}")

@@ -68,7 +68,10 @@ def _version(package: str) -> str | None:
 
 @router.get("/get_server_info")
 async def server_info(request: Request) -> dict[str, Any]:
+    import torch
+
     from engine.ops import native  # loaded by the engine already; not at import (keeps `ember --help` light)
+    from engine.quant.module import quantized_formats
 
     state = get_state(request)
     core, cfg, settings = state.core, state.engine.config, state.settings
@@ -89,7 +92,11 @@ async def server_info(request: Request) -> dict[str, Any]:
         "compiled_buckets": graphs.ready_buckets if graphs.compiled else [],
         "compile_seconds": {str(b): round(s, 3) for b, s in dict(graphs.compile_seconds).items()},
         "isa": {"active": native.active_isa(), "supported": list(native.SUPPORTED_ISAS),
-                "packed_linear": core.runner.model.packed},
+                "packed_linear": core.runner.model.packed,
+                "linear_q": str(torch.ops.ember.linear_q_variant(native.active_isa())) if native.NATIVE_OPS else None},
+        # --quantization, the weights' form (EngineConfig.weights_tag) and each quantized format's weight count
+        "quantization": {"mode": cfg.quantization, "weights": core.runner.weights_tag,
+                         "formats": quantized_formats(core.runner.model)},
         "max_n": settings.max_n,
         "max_request_bytes": settings.max_request_bytes,
         "auth": settings.api_key is not None,

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Perplexity of Ember's forward on a fixed text, computed the way llama.cpp's `llama-perplexity` does, so the two
+can be compared on the same GGUF file.
+
+    .venv/bin/python scripts/perplexity.py FILE.gguf [FILE.gguf ...] [--text scripts/data/gpl-3.txt]
+        [--quantization auto] [--dtype bfloat16] [--ctx 512] [--llama-tokenize PATH]
+
+llama-perplexity's rule (tools/perplexity/perplexity.cpp, default flags): the text (one trailing newline dropped)
+is tokenized once, cut into floor(n / ctx) chunks of ctx tokens, each evaluated from an empty KV cache; only the
+second half of each chunk is scored: the logits at positions ctx/2 .. ctx-2 against the next token (ctx/2 - 1
+tokens a chunk). No BOS is added for SmolLM2 (its GGUF says add_bos_token = false). PPL = exp(mean NLL), and the
++- is PPL * the standard error of the NLLs, as llama.cpp prints it. With --llama-tokenize, Ember reads llama.cpp's
+own token ids (its pre-tokenizer splits "\\n\\n  " differently from transformers' on this text: 7638 against
+7658 tokens), so both score exactly the same tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.config import EngineConfig  # noqa: E402
+from engine.loader import load_tokenizer, open_checkpoint  # noqa: E402
+from engine.model.attention_meta import ExtendMeta  # noqa: E402
+from engine.model.weights import build_model  # noqa: E402
+from engine.quant.module import describe_weights  # noqa: E402
+
+TEXT = Path(__file__).resolve().parent / "data" / "gpl-3.txt"
+
+
+def token_ids(path: Path, text: str, llama_tokenize: str | None) -> list[int]:
+    if llama_tokenize:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:  # its -f reads the file verbatim
+            f.write(text)
+            f.flush()
+            out = subprocess.run([llama_tokenize, "-m", str(path), "-f", f.name, "--ids", "--log-disable",
+                                  "--no-bos"], capture_output=True, text=True, check=True).stdout
+        return [int(t) for t in out.strip().strip("[]").split(",") if t.strip()]
+    return list(load_tokenizer(str(path))(text, add_special_tokens=False)["input_ids"])
+
+
+@torch.no_grad()
+def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: int) -> tuple[float, float, str]:
+    cfg = EngineConfig(model=str(path), dtype=dtype, quantization=quantization)
+    ck = open_checkpoint(str(path))
+    keep, mode = cfg.quantization_plan(ck.quantized_source)
+    model = build_model(ck.config, ck.tensors(keep), cfg.torch_dtype, ctx, quantize=mode, group=cfg.quant_group_size)
+    mc = ck.config
+    nlls: list[float] = []
+    first = ctx // 2
+    for c in range(len(ids) // ctx):
+        chunk = torch.tensor(ids[c * ctx:(c + 1) * ctx])
+        k = [torch.zeros(ctx, mc.num_kv_heads, mc.head_dim, dtype=cfg.torch_dtype) for _ in range(mc.num_layers)]
+        v = [torch.zeros_like(t) for t in k]
+        meta = ExtendMeta(out_slots=torch.arange(ctx), req_to_token=torch.arange(ctx).unsqueeze(0),
+                          req_rows=torch.tensor([0]), prefix_lens=torch.tensor([0]), extend_lens=torch.tensor([ctx]))
+        rows = torch.arange(first, ctx - 1)
+        logits = model(chunk, torch.arange(ctx), meta, k, v, logit_rows=rows).float()
+        nll = torch.nn.functional.cross_entropy(logits, chunk[rows + 1], reduction="none")
+        nlls += nll.tolist()
+    mean = sum(nlls) / len(nlls)
+    var = sum((x - mean) ** 2 for x in nlls) / (len(nlls) - 1)
+    ppl = math.exp(mean)
+    return ppl, ppl * math.sqrt(var / len(nlls)), describe_weights(model, dtype)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--text", type=Path, default=TEXT)
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--llama-tokenize", default=None, help="llama.cpp's llama-tokenize, for its token ids")
+    args = p.parse_args()
+    text = args.text.read_text()
+    text = text[:-1] if text.endswith("\n") else text  # llama.cpp's -f drops one trailing newline
+    print("| file | quantization | dtype | tokens | chunks | PPL | weights |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for path in args.files:
+        ids = token_ids(path, text, args.llama_tokenize)
+        ppl, err, weights = perplexity(path, ids, args.quantization, args.dtype, args.ctx)
+        print(f"| {path.name} | {args.quantization} | {args.dtype} | {len(ids)} | {len(ids) // args.ctx} | "
+              f"{ppl:.4f} +- {err:.4f} | {weights} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
