@@ -1,7 +1,7 @@
 """Every engine setting in one frozen dataclass. Built once (CLI > EMBER_* env > TOML > default) and never mutated."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
@@ -10,7 +10,9 @@ QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = the embedded SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"  # bfloat16 | float32
+    # auto | bfloat16 | float32: activations, KV and dense weights. auto = float32 when the linear weights are
+    # quantized (resolved_for), else bfloat16: see README "Quantized weights" on why quantized models keep fp32.
+    dtype: str = "auto"
     # auto: a GGUF's own quantized formats, a HF folder dense; none: dense in `dtype`; int8 / int4: quantized at
     # load (engine/quant/quantize.py), int4 in groups of quant_group_size inputs
     quantization: str = "auto"
@@ -30,8 +32,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quant_group_size not in (32, 128):
@@ -65,8 +67,17 @@ class EngineConfig:
             return f"int4g{self.quant_group_size}"
         return mode or ("native" if keep else "dense")
 
+    def resolved_for(self, gguf: bool) -> EngineConfig:
+        """This config with dtype auto made concrete for a checkpoint (a GGUF or not)."""
+        if self.dtype != "auto":
+            return self
+        keep, mode = self.quantization_plan(gguf)
+        return replace(self, dtype="float32" if keep or mode else "bfloat16")
+
     @property
     def torch_dtype(self) -> "torch.dtype":  # noqa: F821 - torch imported lazily
         import torch
 
+        if self.dtype == "auto":
+            raise ValueError("dtype auto has no torch dtype before resolved_for() picks one for the checkpoint")
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]

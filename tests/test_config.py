@@ -33,7 +33,7 @@ def write_config(tmp_path: Path, text: str) -> str:
 def test_defaults_when_nothing_is_set() -> None:
     args, printed = resolve_args(["serve"])
     assert printed is None
-    assert (args.dtype, args.max_running_requests, args.decode_buckets) == ("bfloat16", 32, (1, 2, 4, 8, 16, 24, 32))
+    assert (args.dtype, args.max_running_requests, args.decode_buckets) == ("auto", 32, (1, 2, 4, 8, 16, 24, 32))
     assert (args.host, args.port, args.disable_compile, args.model) == ("127.0.0.1", 8000, False, None)
 
 
@@ -168,7 +168,7 @@ def test_parsers_hold_only_builtin_defaults(monkeypatch: pytest.MonkeyPatch) -> 
     """The env is applied by the resolver alone: a parser built under EMBER_* vars keeps the built-in defaults."""
     monkeypatch.setenv("EMBER_DTYPE", "float32")
     _, commands, _ = build_parser()
-    assert commands["generate"].get_default("dtype") == "bfloat16"
+    assert commands["generate"].get_default("dtype") == "auto"
     assert isinstance(commands["serve"], argparse.ArgumentParser)
 
 

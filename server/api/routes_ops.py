@@ -80,7 +80,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "model": state.model_name,
         "model_path": cfg.model,
         "architecture": core.model_config.architecture,
-        "dtype": cfg.dtype,
+        "dtype": core.runner.config.dtype,  # --dtype auto resolved for the checkpoint
         "max_context_len": core.max_context,
         "kv_pool_slots": core.runner.kv_pool.num_slots,
         "max_running_requests": cfg.max_running_requests,
