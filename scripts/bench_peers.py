@@ -65,7 +65,7 @@ def wait_for_idle(max_load: float, wait_s: float, every_s: float = 30.0) -> tupl
         time.sleep(every_s)  # polling another user's load: there is nothing to wait on
 
 
-def server_command(name: str, port: int, cache_dir: Path) -> list[str]:
+def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "auto") -> list[str]:
     if name.startswith("llama-q80"):  # start.sh knows no Q8_0 file: its llama-q41 flags on the Q8_0 one
         build = "llama.cpp-build-avx2" if name.endswith("-avx2") else "llama.cpp-build"
         cores = str(os.cpu_count() or 1)
@@ -81,7 +81,7 @@ def server_command(name: str, port: int, cache_dir: Path) -> list[str]:
     elif name == "ember-q80":
         model = ["--model", str(Q80)]
     return [PY, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *model,
-            "--served-model-name", "model", "--dtype", "bfloat16", "--compile-cache-dir", str(cache_dir),
+            "--served-model-name", "model", "--dtype", ember_dtype, "--compile-cache-dir", str(cache_dir),
             "--max-total-tokens", "16384", "--max-running-requests", "32"]
 
 
@@ -105,8 +105,8 @@ def compiled(base: str) -> bool:
     return bool(info["compiled_buckets"] == info["decode_buckets"])
 
 
-def start(name: str, port: int, cache_dir: Path, log: Path,
-          ember_isa: str | None = None) -> tuple[subprocess.Popen[bytes], float, float]:
+def start(name: str, port: int, cache_dir: Path, log: Path, ember_isa: str | None = None,
+          ember_dtype: str = "auto") -> tuple[subprocess.Popen[bytes], float, float]:
     """Start one server in its own process group and wait for /health 200 and (Ember) every compiled bucket:
     (process, seconds to /health 200, seconds until fully compiled)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
@@ -114,7 +114,7 @@ def start(name: str, port: int, cache_dir: Path, log: Path,
         env["EMBER_ISA"] = ember_isa
     t0 = time.monotonic()
     with open(log, "wb") as f:
-        proc = subprocess.Popen(server_command(name, port, cache_dir), cwd=REPO, env=env, stdout=f,
+        proc = subprocess.Popen(server_command(name, port, cache_dir, ember_dtype), cwd=REPO, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     deadline = t0 + START_TIMEOUT_S.get("ember" if name.startswith("ember") else name, 300.0)
     while health(f"http://127.0.0.1:{port}") != 200:
@@ -169,6 +169,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-load", type=float, default=0.5, help="start when the 1-min load is below (default: %(default)s)")
     p.add_argument("--idle-wait", type=float, default=600.0, help="wait at most this for it, seconds (default: %(default)s)")
     p.add_argument("--skip-setup", action="store_true", help="do not run ../shared/peers/setup.sh first")
+    p.add_argument("--ember-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="Ember's --dtype (default: %(default)s, Ember's own default; issue 13's tables: bfloat16)")
     p.add_argument("--ember-isa", default=None, choices=["avx2", "avx512", "avx512bf16"],
                    help="run Ember on this kernel tier (EMBER_ISA; default: the best the CPU runs)")
     return p.parse_args()
@@ -202,7 +204,8 @@ def main() -> int:
             print(f"=== round {rep + 1}/{args.repeats}: starting {name}", flush=True)
             try:
                 proc, ready_s, compiled_s = start(name, args.port, args.compile_cache_dir,
-                                                  out / "logs" / f"r{rep}-{name}.log", args.ember_isa)
+                                                  out / "logs" / f"r{rep}-{name}.log", args.ember_isa,
+                                                  args.ember_dtype)
             except RuntimeError as exc:  # one broken server must not cost the others' figures
                 print(f"SKIPPED {name}: {exc}", file=sys.stderr, flush=True)
                 runs.append({"round": rep, "server": name, "error": str(exc)[:500]})
