@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -93,8 +93,8 @@ class PreparedModel:
         # Copied out of the file's memory map into anonymous memory: streaming weights from file-backed 4 KiB pages
         # made every decode step slower than on the weights a fresh load allocates (Q4_1 default model, AVX2,
         # one client: 52.7 against 72.0 tok/s) - the copy costs ~0.1 s.
-        tensors = {name: t.clone() for name, t in load_file(path).items()}
         with safe_open(path, "pt") as f:
+            tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
             info = json.loads((f.metadata() or {}).get("quantized", "{}"))
         try:
             dense = install_from_state(model, tensors, info)

@@ -134,12 +134,10 @@ def quantize_weights(model: LlamaModel, mode: str, group: int) -> None:
             install(module, attr, QuantizedWeight.from_tensors([quantize_weight(w.data, mode, group, head)]))
 
     for layer in model.layers:
-        for attr in PACKED_LAYER_WEIGHTS:
+        for attr in LINEAR_WEIGHTS:
             convert(layer, attr, head=False)
     convert(model, "embed_tokens" if model.lm_head is None else "lm_head", head=True)
 
-
-PACKED_LAYER_WEIGHTS = LINEAR_WEIGHTS
 
 
 def pack_weights(model: LlamaModel) -> None:
@@ -156,6 +154,6 @@ def pack_weights(model: LlamaModel) -> None:
         setattr(module, attr, nn.Parameter(packed, requires_grad=False))
 
     for layer in model.layers:
-        for attr in PACKED_LAYER_WEIGHTS:
+        for attr in LINEAR_WEIGHTS:
             repack(layer, attr)
     repack(model, "embed_tokens" if model.lm_head is None else "lm_head")

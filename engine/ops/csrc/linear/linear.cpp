@@ -7,12 +7,12 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "common/cpu_isa.h"
 #include "common/parallel_blocks.h"
+#include "common/widen_bf16.h"
 
 namespace ember {
 namespace {
@@ -65,11 +65,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa i
   } else {
     args.x = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
     if (kernel.fp32_input) {
-      widened.resize(rows * k);
-      for (size_t i = 0; i < widened.size(); ++i) {  // bf16 -> fp32: the 16 bits above 16 zero bits
-        const uint32_t bits = static_cast<uint32_t>(args.x[i]) << 16;
-        std::memcpy(&widened[i], &bits, sizeof(float));
-      }
+      widened = widen_bf16(args.x, rows * k);
       args.xf = widened.data();
     }
   }

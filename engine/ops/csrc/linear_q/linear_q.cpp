@@ -10,30 +10,34 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "common/cpu_isa.h"
 #include "common/parallel_blocks.h"
+#include "common/widen_bf16.h"
 
 namespace ember {
 namespace {
 
-const char* variant_for(Isa isa) {
+enum class Variant { kScalar, kAvx2, kAvx512Vnni };
+
+Variant variant_for(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Bf16:
-    case Isa::kAvx512: return cpu_has_avx512_vnni() ? "avx512vnni" : "avx2";
-    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return cpu_has_avx512_vnni() ? Variant::kAvx512Vnni : Variant::kAvx2;
+    case Isa::kAvx2: return Variant::kAvx2;
     case Isa::kScalar: break;
   }
-  return "scalar";
+  return Variant::kScalar;
 }
 
 QLinearKernel kernel_for(Isa isa, const QLayout& layout) {
-  const std::string v = variant_for(isa);
-  if (v == "avx512vnni") return linear_q_kernel_avx512vnni(layout);
-  if (v == "avx2") return linear_q_kernel_avx2(layout);
+  switch (variant_for(isa)) {
+    case Variant::kAvx512Vnni: return linear_q_kernel_avx512vnni(layout);
+    case Variant::kAvx2: return linear_q_kernel_avx2(layout);
+    case Variant::kScalar: break;
+  }
   return linear_q_kernel_scalar(layout);
 }
 
@@ -82,13 +86,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   std::vector<float> xd, xs, widened;
   const bool tile = rows >= kQTileMinRows && kernel.run_block_tile != nullptr;
   if (tile) {
-    if (bf16) {
-      widened.resize(rows * k);
-      for (size_t i = 0; i < widened.size(); ++i) {  // bf16 -> fp32: the 16 bits above 16 zero bits
-        const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
-        std::memcpy(&widened[i], &bits, sizeof(float));
-      }
-    }
+    if (bf16) widened = widen_bf16(xb, rows * k);
     args.xf = bf16 ? widened.data() : xc.data_ptr<float>();
   } else {
     xq.resize(rows * k);
@@ -125,7 +123,10 @@ at::Tensor linear_q_isa(const at::Tensor& x, const at::Tensor& qweight, const at
   return run(x, qweight, scales, mins, n, parse_isa(isa));
 }
 
-std::string linear_q_variant(const std::string& isa) { return variant_for(parse_isa(isa)); }
+std::string linear_q_variant(const std::string& isa) {
+  const Variant v = variant_for(parse_isa(isa));
+  return v == Variant::kAvx512Vnni ? "avx512vnni" : v == Variant::kAvx2 ? "avx2" : "scalar";
+}
 
 }  // namespace
 }  // namespace ember

@@ -42,6 +42,23 @@ inline uint16_t q_to_bf16(float f) {  // round to nearest even, as torch rounds
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// A row's block of 32 weights widened to int16: values 0-15 in lo, 16-31 in hi. 4-bit: the 16 bytes in both
+// lanes, byte i shuffled into int16 lane i (high byte zero), then its two nibbles: no lane crossing.
+template <bool Q4>
+inline void unpack_block(const uint8_t* wb, __m256i& lo, __m256i& hi) {
+  if constexpr (Q4) {
+    const __m256i spread = _mm256_setr_epi8(0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1,
+                                            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1);
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
+    const __m256i bytes = _mm256_shuffle_epi8(raw, spread);
+    lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(bytes, 4);  // the int16's high byte is zero: this is the high nibble
+  } else {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16)));
+  }
+}
+
 template <class P, class V>
 struct QLinearBody {
   // res[r * MT + m] = sum over blocks of s_r(b) * xd[m, b] * <q_r, xq[m]> for NR rows r0.. of one 4-row group
@@ -56,24 +73,11 @@ struct QLinearBody {
     __m256 acc[NR][MT];
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi16(0x0F);
-    // byte i of the 16 (lane 0: 0-7, lane 1: 8-15) into the low byte of int16 lane i, the high byte zero (-1)
-    const __m256i spread = _mm256_setr_epi8(0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1,
-                                            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1);
     int64_t g = 0, left = rep;  // the weight group of block b, without a division (idiv costs ~40 cycles)
     for (int64_t b = 0; b < nb; ++b) {
       for (int r = 0; r < NR; ++r) {
-        const uint8_t* wb = w + (4 * b + r0 + r) * bpb;
         __m256i lo, hi;  // values 0-15 and 16-31 as int16
-        if constexpr (Q4) {  // 16 bytes in both lanes, byte i into int16 lane i, then its two nibbles: no lane crossing
-          const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
-          const __m256i bytes = _mm256_shuffle_epi8(raw, spread);
-          lo = _mm256_and_si256(bytes, low4);
-          hi = _mm256_srli_epi16(bytes, 4);  // the int16's high byte is zero: this is the high nibble
-        } else {
-          lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
-          hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16)));
-        }
+        unpack_block<Q4>(w + (4 * b + r0 + r) * bpb, lo, hi);
         const __m256 s0 = _mm256_broadcast_ss(s + 4 * (G16 ? 2 * b : g) + r0 + r);
         const __m256 s1 = G16 ? _mm256_broadcast_ss(s + 4 * (2 * b + 1) + r0 + r) : s0;
         for (int m = 0; m < MT; ++m) {
@@ -179,9 +183,6 @@ struct QLinearBody {
   static void dequant_rows(const QLinearArgs& a, int64_t n0, int64_t k0, int64_t kc, float* out, int64_t ldo) {
     constexpr int64_t bpb = Q4 ? 16 : 32;
     const int64_t k = a.k, groups = k / a.layout.group, row_bytes = Q4 ? k / 2 : k;
-    const __m256i low4 = _mm256_set1_epi16(0x0F);
-    const __m256i spread = _mm256_setr_epi8(0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1,
-                                            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1);
     for (int64_t r = 0; r < kQBlockRows; ++r) {
       const int64_t n = n0 + r;
       float* o = out + r * ldo;
@@ -192,17 +193,8 @@ struct QLinearBody {
       const uint8_t* w = a.w + (n / 4) * 4 * row_bytes;
       const int64_t rr = n % 4, sg = (n / 4) * 4 * groups;
       for (int64_t b = k0 / 32; b < (k0 + kc) / 32; ++b) {
-        const uint8_t* wb = w + (4 * b + rr) * bpb;
         __m256i lo, hi;
-        if constexpr (Q4) {
-          const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
-          const __m256i bytes = _mm256_shuffle_epi8(raw, spread);
-          lo = _mm256_and_si256(bytes, low4);
-          hi = _mm256_srli_epi16(bytes, 4);
-        } else {
-          lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
-          hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16)));
-        }
+        unpack_block<Q4>(w + (4 * b + rr) * bpb, lo, hi);
         const int64_t g_lo = G16 ? 2 * b : 32 * b / a.layout.group, g_hi = G16 ? 2 * b + 1 : g_lo;
         const __m256 s_lo = _mm256_set1_ps(scale_at<F16>(a.scales, sg + 4 * g_lo + rr));
         const __m256 s_hi = _mm256_set1_ps(scale_at<F16>(a.scales, sg + 4 * g_hi + rr));

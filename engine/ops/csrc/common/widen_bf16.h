@@ -1,0 +1,22 @@
+// bf16 activations widened to fp32 for kernels that multiply in fp32 (the drivers of linear/ and linear_q/).
+// ISA: none; include only in generic driver files (an inline copy compiled inside an ISA region could be merged
+// into generic code by the linker).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace ember {
+
+// fp32 copy of n bf16 values: each is the 16 bits above 16 zero bits.
+inline std::vector<float> widen_bf16(const uint16_t* src, int64_t n) {
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(&out[i], &bits, sizeof(float));
+  }
+  return out;
+}
+
+}  // namespace ember
