@@ -100,6 +100,10 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self._thread.abort(request_id)
 
+    async def flush_cache(self) -> int:
+        """Evict every prefix-cache entry no running request uses (on the engine thread); returns slots freed."""
+        return await asyncio.wrap_future(self._thread.call(lambda core: core.scheduler.flush_cache()))
+
     # ---- engine-thread side ---------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None

@@ -27,6 +27,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     cpp_wrapper: bool = False
     chunked_prefill_size: int = 512
+    disable_prefix_cache: bool = False  # recompute every prompt instead of reusing cached prefixes' KV
     max_queued_requests: int = 1024
     num_threads: int | None = None  # torch threads; None = all cores
     seed: int = 0

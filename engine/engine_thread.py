@@ -9,7 +9,9 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -36,11 +38,19 @@ class _Stop:
     pass
 
 
+@dataclass(frozen=True)
+class _Call:
+    """Run `fn(core)` between two steps (the only thread that may touch the scheduler) and resolve `future`."""
+
+    fn: Callable[[EngineCore], Any]
+    future: Future[Any]
+
+
 class EngineThread:
     def __init__(self, config: EngineConfig, deliver: Deliver, on_fatal: Callable[[BaseException], None],
                  on_bucket: Callable[[int, float], None] | None = None) -> None:
         self.config, self._deliver, self._on_fatal, self._on_bucket = config, deliver, on_fatal, on_bucket
-        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Stop | _Call] = queue.SimpleQueue()
         self.ready = threading.Event()
         self.core: EngineCore | None = None
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
@@ -53,6 +63,11 @@ class EngineThread:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._inbox.put(_Call(fn, future))
+        return future
 
     def stop(self, timeout: float | None = None) -> None:
         self._inbox.put(_Stop())
@@ -74,11 +89,16 @@ class EngineThread:
             log.exception("engine thread failed")
             self._on_fatal(exc)
 
-    def _handle(self, core: EngineCore, cmd: _Submit | _Abort | _Stop) -> bool:
+    def _handle(self, core: EngineCore, cmd: _Submit | _Abort | _Stop | _Call) -> bool:
         if isinstance(cmd, _Stop):
             return False
         if isinstance(cmd, _Submit):
             core.add(cmd.reqs)
+        elif isinstance(cmd, _Call):
+            try:
+                cmd.future.set_result(cmd.fn(core))
+            except Exception as exc:  # the caller hears about it; the engine keeps serving
+                cmd.future.set_exception(exc)
         else:
             outs = core.abort(cmd.request_id)
             if outs:

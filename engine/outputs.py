@@ -25,4 +25,5 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int  # total so far for this choice
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (0 until admitted)
     metrics: dict[str, float] = field(default_factory=dict)  # on the last output: ttft, e2e, queue time (s)

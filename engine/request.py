@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import FinishReason, TokenLogprob
@@ -32,6 +33,9 @@ class Request:
     status: ReqStatus = ReqStatus.WAITING
     req_row: int = 0  # 0 = none (row 0 is the padding row)
     kv_len: int = 0  # tokens of `all_ids` whose K/V sit in the pool at req_to_token[req_row, :kv_len]
+    cached_len: int = 0  # of which the first cached_len are prefix-cache slots, locked through cache_node
+    cache_node: Any = None  # the RadixCache node this request's cached prefix ends at (engine/kv_manager.py)
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission (reported)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     # what the next RequestOutput carries (the engine drains these after each step)

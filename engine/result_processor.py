@@ -111,6 +111,7 @@ def take_output(req: Request) -> RequestOutput | None:
         prompt_tokens=len(req.prompt_ids),
         completion_tokens=len(req.output_ids),
         stop_reason=req.stop_reason,
+        cached_tokens=req.cached_tokens or 0,
         metrics=metrics,
     )
     req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []

@@ -2,6 +2,8 @@
 
 Each `step()` runs one forward: a prefill (extend) batch or the running decode batch. When both have work
 they alternate, so a long prompt being prefilled in chunks never stalls the decode batch for its whole length.
+With the prefix cache, admission maps the longest cached prefix of a prompt and prefills only the rest;
+unused cache entries are evicted (LRU) before any request is retracted (engine/kv_manager.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_manager import KVManager
+from engine.radix_cache import common_len
 from engine.model_runner import ExtendChunk, ModelRunner
 from engine.request import ReqStatus, Request
 from engine.result_processor import ResultProcessor
@@ -22,6 +26,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 CLIP_MAX_NEW_TOKENS = 4096
+# A request whose prompt shares at least this many not-yet-cached tokens with one being prefilled waits for
+# that prefill instead of computing the same tokens beside it (choices of one request wait for any overlap).
+SHARED_PREFILL_MIN_TOKENS = 32
 
 
 @dataclass
@@ -38,6 +45,7 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, results: ResultProcessor, config: EngineConfig) -> None:
         self.runner, self.results, self.config = runner, results, config
         self.kv, self.req_pool = runner.kv_pool, runner.req_pool
+        self.kvm = KVManager(self.kv, self.req_pool, prefix_cache=not config.disable_prefix_cache)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted; prompt (or recompute) partly in the cache
         self.running: list[Request] = []  # decode batch, in admission order
@@ -86,20 +94,41 @@ class Scheduler:
         """Move requests from the head of the queue into `prefilling` while their KV fits (FCFS, no skipping)."""
         while self.waiting and len(self.prefilling) + len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            need = req.fill_len + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
-            # Nothing running means nothing will free up: admit anything that fits the pool at all.
-            alone = not (self.prefilling or self.running)
-            if not alone and self.kv.available_size() - self._reserved() < need:
-                return
-            if self.kv.available_size() < req.fill_len:
+            if self._awaits_shared_prefill(req):
                 return
             row = self.req_pool.allocate()
             if row is None:
                 return
+            req.req_row = row
+            cached = self.kvm.match(req)  # locks the prefix, so it is not counted as headroom below
+            need_now = req.fill_len - cached
+            need = need_now + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+            # Nothing running means nothing will free up: admit anything that fits the pool at all.
+            alone = not (self.prefilling or self.running)
+            headroom = self.kvm.headroom()
+            if (not alone and headroom - self._reserved() < need) or headroom < need_now:
+                self.kvm.unmatch(req)
+                self.req_pool.free(row)
+                req.req_row = 0
+                return
             self.waiting.popleft()
-            req.req_row, req.kv_len, req.status = row, 0, ReqStatus.PREFILLING
+            req.kv_len, req.status = cached, ReqStatus.PREFILLING
+            if req.cached_tokens is None:
+                req.cached_tokens = min(cached, len(req.prompt_ids))
             req.admitted_at = req.admitted_at or time.monotonic()
             self.prefilling.append(req)
+
+    def _awaits_shared_prefill(self, req: Request) -> bool:
+        """True when a request being prefilled will cache tokens this one needs (see SHARED_PREFILL_MIN_TOKENS)."""
+        if self.kvm.cache is None:
+            return False
+        want = req.all_ids[: req.fill_len - 1]
+        for other in self.prefilling:
+            # `other` has published its first kv_len tokens already; what it computes next is the gain.
+            gain = common_len(other.all_ids[: other.fill_len], want) - other.kv_len
+            if gain >= SHARED_PREFILL_MIN_TOKENS or (gain > 0 and other.request_id == req.request_id):
+                return True
+        return False
 
     def _prefill_step(self) -> list[Request] | None:
         self._admit()
@@ -110,7 +139,7 @@ class Scheduler:
             take = min(budget, req.fill_len - req.kv_len)
             if take <= 0:
                 break
-            slots = self.kv.allocate(take)
+            slots = self.kvm.allocate(take)
             if slots is None:
                 break
             chunks.append(ExtendChunk(req.req_row, req.kv_len, req.all_ids[req.kv_len : req.kv_len + take], slots))
@@ -123,6 +152,7 @@ class Scheduler:
         done_idx = []
         for i, (req, chunk) in enumerate(zip(members, chunks)):
             req.kv_len += len(chunk.token_ids)
+            self.kvm.publish(req)
             self.stats.prompt_tokens += len(chunk.token_ids)
             if req.kv_len == req.fill_len:
                 done_idx.append(i)
@@ -141,7 +171,7 @@ class Scheduler:
 
     def _decode_step(self) -> list[Request]:
         touched: list[Request] = []
-        while self.kv.available_size() < len(self.running):
+        while self.kvm.headroom() < len(self.running):
             if self.prefilling:  # half-prefilled requests give their slots back first
                 touched.append(self._retract(self.prefilling[-1]))
                 continue
@@ -152,7 +182,7 @@ class Scheduler:
                 return [req]
             touched.append(self._retract(self.running[-1]))
         batch = self.running
-        slots = self.kv.allocate(len(batch))
+        slots = self.kvm.allocate(len(batch))
         assert slots is not None  # ensured by the loop above
         rows = torch.tensor([r.req_row for r in batch], dtype=torch.int64)
         positions = torch.tensor([r.fill_len - 1 for r in batch], dtype=torch.int64)
@@ -189,8 +219,8 @@ class Scheduler:
             self.waiting.remove(req)
 
     def _release(self, req: Request) -> None:
-        """Give back the request's KV slots and row (idempotent: a released request holds row 0)."""
-        if req.req_row:
-            self.kv.free(self.req_pool.table[req.req_row, : req.kv_len].to(torch.int64))
-            self.req_pool.free(req.req_row)
-        req.req_row, req.kv_len = 0, 0
+        self.kvm.release(req)
+
+    def flush_cache(self) -> int:
+        """Drop every prefix-cache entry no admitted request uses; returns the KV slots freed."""
+        return self.kvm.flush()

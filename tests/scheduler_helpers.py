@@ -6,7 +6,7 @@ After every step the pool accounting is checked against the scheduler's queues (
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,20 +64,27 @@ class Arrival:
 
 
 def check_accounting(core: EngineCore) -> None:
-    """Slots in use are exactly the admitted requests' cached tokens; queued requests hold nothing."""
+    """Every KV slot is owned exactly once (free list, prefix cache, or one admitted request's own range), the
+    cache's counters and locks are consistent, and queued requests hold nothing."""
     s = core.scheduler
     admitted = [*s.prefilling, *s.running]
     assert len(admitted) <= core.config.max_running_requests
-    assert core.runner.kv_pool.used_size() == sum(r.kv_len for r in admitted)
+    s.kvm.check(admitted)
+    own = sum(r.kv_len - r.cached_len for r in admitted)
+    assert core.runner.kv_pool.used_size() == s.kvm.cached_slots() + own
+    assert all(0 <= r.cached_len <= r.kv_len for r in admitted)
     assert core.runner.req_pool.available_size() == core.runner.req_pool.size - len(admitted)
     assert len({r.req_row for r in admitted}) == len(admitted) and all(r.req_row > 0 for r in admitted)
-    assert all(r.req_row == 0 and r.kv_len == 0 for r in s.waiting)
+    assert all(r.req_row == 0 and r.kv_len == 0 and r.cache_node is None for r in s.waiting)
 
 
 def assert_idle_and_empty(core: EngineCore) -> None:
-    """No work left, every KV slot and request row back in its allocator."""
+    """No work left, every request row back, no KV slot held: what is not free is unlocked prefix cache."""
     assert not core.has_work()
-    assert core.runner.kv_pool.available_size() == core.runner.kv_pool.num_slots
+    kvm = core.scheduler.kvm
+    kvm.check([])
+    assert kvm.held_slots() == 0
+    assert core.runner.kv_pool.available_size() == core.runner.kv_pool.num_slots - kvm.cached_slots()
     assert core.runner.req_pool.available_size() == core.runner.req_pool.size
 
 
@@ -120,13 +127,17 @@ class Driver:
         check_accounting(self.core)
         return outs
 
-    def run(self, arrivals: Iterable[Arrival] = (), max_steps: int = 10_000) -> dict[tuple[str, int], Stream]:
-        """Add each arrival at its step, step until nothing is left to do."""
+    def run(self, arrivals: Iterable[Arrival] = (), max_steps: int = 10_000,
+            aborts: Mapping[int, Iterable[str]] | None = None) -> dict[tuple[str, int], Stream]:
+        """Add each arrival at its step, abort `aborts[step]`'s request ids, step until nothing is left to do."""
         pending = sorted(arrivals, key=lambda a: a.step)
+        aborts = dict(aborts or {})
         while pending or self.core.has_work():
             while pending and pending[0].step <= self.steps:
                 a = pending.pop(0)
                 self.add(a.request_id, a.prompt, a.params)
+            for rid in aborts.pop(self.steps, ()):
+                self.abort(rid)
             if self.core.has_work():
                 self.step()
             else:  # idle until the next arrival: time is measured in steps, so an idle step still counts

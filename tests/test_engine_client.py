@@ -57,7 +57,9 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> No
 
 def all_free(client: EngineClient) -> bool:
     core = client.core
-    return (core.runner.kv_pool.available_size() == core.runner.kv_pool.num_slots
+    # What is not free is prefix cache nobody holds (a finished request's K/V, kept for reuse).
+    return (core.scheduler.kvm.held_slots() == 0
+            and core.runner.kv_pool.available_size() == core.runner.kv_pool.num_slots - core.scheduler.kvm.cached_slots()
             and core.runner.req_pool.available_size() == core.runner.req_pool.size)
 
 

@@ -63,14 +63,17 @@ def workload(eager: EngineCore) -> Workload:
 
 def test_mixed_arrivals_equal_solo_runs(eager: EngineCore, workload: Workload) -> None:
     arrivals, solos = workload
-    before = eager.scheduler.stats.prompt_tokens
+    before, hits_before = eager.scheduler.stats.prompt_tokens, eager.scheduler.kvm.stats.hit_tokens
     driver = Driver(eager)
     assert_same_as_solo(driver.run(arrivals), solos)
     assert_idle_and_empty(eager)
-    # The workload really batched: prompts were prefilled while others decoded, and nothing was recomputed.
+    # The workload really batched: prompts were prefilled while others decoded, and nothing was recomputed:
+    # each prompt token was computed once or found in the prefix cache (the solo runs left them there).
     assert driver.mixed_steps > 10
     assert eager.scheduler.stats.retractions == 0
-    assert eager.scheduler.stats.prompt_tokens - before == sum(len(a.prompt) for a in arrivals)
+    computed = eager.scheduler.stats.prompt_tokens - before
+    hits = eager.scheduler.kvm.stats.hit_tokens - hits_before
+    assert computed + hits == sum(len(a.prompt) for a in arrivals) and hits > 0
     assert any(len(a.prompt) > CHUNK for a in arrivals)
 
 
@@ -105,8 +108,9 @@ def test_retraction_when_kv_runs_dry(folder: Path, eager: EngineCore, pinned_rat
     assert_same_as_solo(streams, solos)
     stats = core.scheduler.stats
     assert stats.retractions > (5 if pinned_ratio == 0.0 else 0)
-    # Retracted work was recomputed, generated tokens included (more than one chunk of them).
-    assert stats.prompt_tokens > sum(len(a.prompt) for a in arrivals) + CHUNK
+    # Retracted work was recomputed (or found in the prefix cache), generated tokens included (more than one
+    # chunk of them).
+    assert stats.prompt_tokens + core.scheduler.kvm.stats.hit_tokens > sum(len(a.prompt) for a in arrivals) + CHUNK
     for a in arrivals:
         st = streams[(a.request_id, 0)]
         assert (st.finish_reason, len(st.token_ids)) == ("length", a.params.max_tokens)
@@ -115,7 +119,7 @@ def test_retraction_when_kv_runs_dry(folder: Path, eager: EngineCore, pinned_rat
 
 def test_abort_in_queue_in_prefill_and_mid_decode_frees_everything(folder: Path, eager: EngineCore) -> None:
     core = tiny_engine(folder, max_running_requests=3)
-    kv, rows = core.runner.kv_pool, core.runner.req_pool
+    kvm, rows = core.scheduler.kvm, core.runner.req_pool  # held slots: an aborted request's K/V stay cached, unheld
     rng = random.Random(3)
     prompts = {rid: [rng.randrange(3, 320) for _ in range(n)] for rid, n in
                [("keep", 12), ("decoding", 10), ("long", 3 * CHUNK + 5), ("queued", 8), ("pair", 6)]}
@@ -127,36 +131,36 @@ def test_abort_in_queue_in_prefill_and_mid_decode_frees_everything(folder: Path,
     driver.step()  # one prefill: keep, decoding and the first chunk of long are admitted (3 rows)
 
     # From the queue: it never held anything.
-    held = kv.used_size()
+    held = kvm.held_slots()
     [out] = driver.abort("queued")
     assert (out.finish_reason, out.token_ids, out.completion_tokens) == ("abort", (), 0)
-    assert kv.used_size() == held and rows.available_size() == 0
+    assert kvm.held_slots() == held and rows.available_size() == 0
 
     # Mid chunked prefill: its finished chunks are freed at once.
     while not any(r.request_id == "long" and 0 < r.kv_len < len(prompts["long"]) for r in core.scheduler.prefilling):
         driver.step()
     long_req = next(r for r in core.scheduler.prefilling if r.request_id == "long")
-    held, cached = kv.used_size(), long_req.kv_len
+    held, cached = kvm.held_slots(), long_req.kv_len
     [out] = driver.abort("long")
     assert out.finish_reason == "abort"
-    assert kv.used_size() == held - cached and rows.available_size() == 1
+    assert kvm.held_slots() == held - cached and rows.available_size() == 1
 
     # Mid decode, once it has generated a few tokens.
     while len(driver.streams[("decoding", 0)].token_ids) < 5:
         driver.step()
     dec = next(r for r in core.scheduler.running if r.request_id == "decoding")
-    held, cached = kv.used_size(), dec.kv_len
+    held, cached = kvm.held_slots(), dec.kv_len
     assert cached >= len(prompts["decoding"]) + 4
     [out] = driver.abort("decoding")
     assert out.finish_reason == "abort" and driver.streams[("decoding", 0)].finish_reason == "abort"
-    assert kv.used_size() == held - cached
+    assert kvm.held_slots() == held - cached
 
     # Both choices of an n=2 request, once they are decoding.
     while not any(r.request_id == "pair" and r.output_ids for r in core.scheduler.running):
         driver.step()
     outs = driver.abort("pair")
     assert sorted(o.index for o in outs) == [0, 1] and {o.finish_reason for o in outs} == {"abort"}
-    assert kv.used_size() == core.scheduler.running[0].kv_len  # only "keep" is left
+    assert kvm.held_slots() == core.scheduler.running[0].kv_len  # only "keep" is left
     assert core.abort("pair") == [] and core.abort("no-such-request") == []
 
     driver.run()

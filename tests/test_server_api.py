@@ -17,6 +17,7 @@ from server_harness import (
     TINY_CONTEXT,
     Server,
     greedy,
+    metrics,
     read_completion_stream,
     sse_events,
 )
@@ -184,3 +185,40 @@ def test_request_log_line(server: Server, client: openai.OpenAI) -> None:
     while not re.search(pattern, server.log()):  # the log is written by another process: bounded poll
         assert time.monotonic() < deadline, server.log()[-2000:]
         time.sleep(0.05)
+
+
+def test_repeated_prompt_reports_cached_tokens_and_flush_cache(server: Server, client: openai.OpenAI,
+                                                               http: httpx.Client) -> None:
+    """The prefix cache through the API: usage.prompt_tokens_details.cached_tokens (chat, completions, the
+    usage chunk of a stream), /generate's meta_info.cached_tokens, the metrics, and POST /flush_cache."""
+    assert http.post("/flush_cache").status_code == 200
+    messages = [{"role": "system", "content": "You are a terse assistant. " * 20},
+                {"role": "user", "content": "Name a prime number."}]
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=LONG)
+    n_prompt = first.usage.prompt_tokens
+    assert n_prompt > 100 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=LONG)
+    assert again.usage.prompt_tokens_details.cached_tokens == n_prompt - 1  # the last token is recomputed
+    assert again.choices[0].message.content == first.choices[0].message.content
+    turn2 = [*messages, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Another one."}]
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=turn2, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=LONG))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= n_prompt - 1  # the system prompt, at least
+    ids = http.post("/v1/tokenize", json={"messages": messages}).json()["tokens"]
+    meta = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}).json()
+    assert meta["meta_info"]["cached_tokens"] == n_prompt - 1
+    m = metrics(server)
+    assert m["ember:prefix_cache_hit_tokens_total"] >= 3 * (n_prompt - 1)
+    assert 0 < m["ember:prefix_cache_hit_rate"] < 1 and m["ember:prefix_cache_slots"] >= n_prompt
+    assert m["ember:kv_pool_used_slots"] == 0  # cached entries are not held by anyone
+    flushed = http.post("/flush_cache").json()
+    assert flushed == {"flushed_slots": m["ember:prefix_cache_slots"], "cached_slots": 0}
+    assert metrics(server)["ember:prefix_cache_slots"] == 0
+    after = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=LONG)
+    assert after.usage.prompt_tokens_details.cached_tokens == 0
+    assert after.choices[0].message.content == first.choices[0].message.content

@@ -44,10 +44,22 @@ class EngineCollector(Collector):
         yield _gauge("ember:num_requests_running", "Requests in the batch (prefilling or decoding).",
                      len(sched.running) + len(sched.prefilling))
         yield _gauge("ember:num_requests_waiting", "Requests queued for admission.", len(sched.waiting))
-        used = kv.used_size()
-        yield _gauge("ember:kv_pool_usage_perc", "Fraction of KV pool slots in use (0-1).", used / max(kv.num_slots, 1))
-        yield _gauge("ember:kv_pool_used_slots", "KV pool slots (tokens) in use.", used)
+        kvm = sched.kvm
+        used = kvm.held_slots()  # prefix-cache entries nobody holds are free space: evicted on demand
+        yield _gauge("ember:kv_pool_usage_perc", "Fraction of KV pool slots held by admitted requests (0-1).",
+                     used / max(kv.num_slots, 1))
+        yield _gauge("ember:kv_pool_used_slots", "KV pool slots (tokens) held by admitted requests.", used)
         yield _gauge("ember:kv_pool_total_slots", "KV pool size in slots (tokens).", kv.num_slots)
+        yield _gauge("ember:prefix_cache_slots", "KV slots holding prefix-cache entries (shared ones included).",
+                     kvm.cached_slots())
+        yield _counter("ember:prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the prefix cache.",
+                       kvm.stats.hit_tokens)
+        yield _counter("ember:prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+                       kvm.stats.queried_tokens)
+        yield _counter("ember:prefix_cache_evicted_tokens", "Prefix-cache tokens evicted to make room.",
+                       kvm.stats.evicted_tokens)
+        yield _gauge("ember:prefix_cache_hit_rate", "prefix_cache_hit_tokens / prefix_cache_queried_tokens.",
+                     kvm.stats.hit_rate)
         yield _counter("ember:prompt_tokens", "Prompt tokens prefilled (recomputation after retraction included).",
                        stats.prompt_tokens)
         yield _counter("ember:generation_tokens", "Tokens generated.", stats.generation_tokens)

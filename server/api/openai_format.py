@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from engine.outputs import RequestOutput, TokenLogprob
-from server.api.protocol import CompletionLogprobs, TokenLogprobInfo, TopLogprob, UsageInfo
+from server.api.protocol import CompletionLogprobs, PromptTokensDetails, TokenLogprobInfo, TopLogprob, UsageInfo
 
 # JSON has no -inf; vLLM clamps the same way, so clients see a very unlikely token rather than a parse error.
 MIN_LOGPROB = -9999.0
@@ -87,6 +87,7 @@ class ChoiceResult:
     completion_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cached_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -96,10 +97,14 @@ class ChoiceResult:
         self.text_parts.append(out.text)
         self.logprobs.extend(out.logprobs or ())
         self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
         if out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    """`cached_tokens` counts each prompt once, like `prompt_tokens`: its first choice's cache hit (the other
+    choices of n > 1 reuse the prompt that choice computed)."""
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))

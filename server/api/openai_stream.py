@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from engine.outputs import RequestOutput
 from server.api.generation import TaggedOutputs
 from server.api.openai_format import CompletionLogprobsBuilder, TokenStrings, chat_logprobs, usage
 from server.api.protocol import (
@@ -35,7 +36,21 @@ class StreamSpec:
     created: int = field(default_factory=lambda: int(time.time()))  # the same on every chunk of a stream
 
 
-async def _with_usage(spec: StreamSpec, body: AsyncGenerator[str, None], completion_tokens: Callable[[], int],
+@dataclass
+class _Tally:
+    """Token counts for the usage chunk, gathered while streaming."""
+
+    done_tokens: dict[int, int] = field(default_factory=dict)  # choice -> completion tokens when it finished
+    cached: dict[int, int] = field(default_factory=dict)  # prompt -> its first choice's cached prompt tokens
+
+    def add(self, index: int, prompt_idx: int, out: RequestOutput) -> None:
+        if out.index == 0:
+            self.cached[prompt_idx] = out.cached_tokens
+        if out.finish_reason is not None:
+            self.done_tokens[index] = out.completion_tokens
+
+
+async def _with_usage(spec: StreamSpec, body: AsyncGenerator[str, None], tally: _Tally,
                       chunk: Callable[[], ChatCompletionChunk | CompletionChunk]) -> AsyncGenerator[str, None]:
     try:
         async with aclosing(body) as texts:  # closing the stream closes the engine iterators inside it
@@ -43,7 +58,7 @@ async def _with_usage(spec: StreamSpec, body: AsyncGenerator[str, None], complet
                 yield text
         if spec.include_usage:
             last = chunk()
-            last.usage = usage(spec.prompt_tokens, completion_tokens())
+            last.usage = usage(spec.prompt_tokens, sum(tally.done_tokens.values()), sum(tally.cached.values()))
             yield event(last)
     except Exception as exc:  # the 200 is out: all we can do is tell the client in-band
         yield error_event(exc)
@@ -52,7 +67,7 @@ async def _with_usage(spec: StreamSpec, body: AsyncGenerator[str, None], complet
 
 def chat_events(spec: StreamSpec, outputs: TaggedOutputs,
                 strings: TokenStrings) -> AsyncGenerator[str, None]:
-    done_tokens: dict[int, int] = {}
+    tally = _Tally()
 
     def chunk(*choices: ChatStreamChoice) -> ChatCompletionChunk:
         # Every field passed explicitly: events are serialized with exclude_unset (see server/api/sse.py).
@@ -69,7 +84,8 @@ def chat_events(spec: StreamSpec, outputs: TaggedOutputs,
             yield event(chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""),
                                                logprobs=None, finish_reason=None)))
         async with aclosing(outputs) as outs:
-            async for _, out in outs:
+            async for prompt_idx, out in outs:
+                tally.add(out.index, prompt_idx, out)
                 if not spec.logprobs:
                     if out.text:
                         yield frame.chat_content(out.index, out.text)
@@ -79,17 +95,16 @@ def chat_events(spec: StreamSpec, outputs: TaggedOutputs,
                         yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(content=out.text),
                                                            logprobs=lps, finish_reason=None)))
                 if out.finish_reason is not None:
-                    done_tokens[out.index] = out.completion_tokens
                     yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(), logprobs=None,
                                                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)))
 
-    return _with_usage(spec, body(), lambda: sum(done_tokens.values()), chunk)
+    return _with_usage(spec, body(), tally, chunk)
 
 
 def completion_events(spec: StreamSpec, outputs: TaggedOutputs,
                       strings: TokenStrings, echo: list[tuple[str, list[int]]] | None) -> AsyncGenerator[str, None]:
     """`echo`, when set, holds each prompt's (text, ids): sent ahead of the choice's first output."""
-    done_tokens: dict[int, int] = {}
+    tally = _Tally()
     builders: dict[int, CompletionLogprobsBuilder] = {}
     started: set[int] = set()
 
@@ -111,8 +126,7 @@ def completion_events(spec: StreamSpec, outputs: TaggedOutputs,
                     prompt_text, echoed = echo[prompt_idx]
                     text = prompt_text + text
                 started.add(index)
-                if out.finish_reason is not None:
-                    done_tokens[index] = out.completion_tokens
+                tally.add(index, prompt_idx, out)
                 if not spec.logprobs:
                     yield frame.completion(index, text, out.finish_reason, out.stop_reason)
                     continue
@@ -122,4 +136,4 @@ def completion_events(spec: StreamSpec, outputs: TaggedOutputs,
                 yield event(chunk(CompletionChoice(index=index, text=text, logprobs=lps,
                                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)))
 
-    return _with_usage(spec, body(), lambda: sum(done_tokens.values()), chunk)
+    return _with_usage(spec, body(), tally, chunk)

@@ -50,6 +50,7 @@ class GenerateMeta(BaseModel):
     id: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     finish_reason: dict[str, Any] | None  # {"type": "stop" | "length" | "abort", "matched": str | int | None}
     e2e_latency: float | None = None
     # SGLang's layout: [logprob, token id, token text (null: SGLang's return_text_in_logprobs is off)]

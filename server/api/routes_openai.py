@@ -76,7 +76,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         choices.append(CompletionChoice(index=index, text=prompt_text + r.text, logprobs=lps,
                                         finish_reason=r.finish_reason, stop_reason=r.stop_reason))
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                              usage=usage(sum(map(len, prompts)), sum(r.completion_tokens for r in results)))
+                              usage=usage(sum(map(len, prompts)), sum(r.completion_tokens for r in results),
+                                          sum(r.cached_tokens for r in results[:: params.n])))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -107,4 +108,5 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         for i, r in enumerate(results)
     ]
     return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                                  usage=usage(len(prompt), sum(r.completion_tokens for r in results)))
+                                  usage=usage(len(prompt), sum(r.completion_tokens for r in results),
+                                              results[0].cached_tokens))

@@ -1,4 +1,5 @@
-"""Operations endpoints: GET /health, /health_generate, /get_server_info, /v1/models, /v1/models/{id}, /metrics.
+"""Operations endpoints: GET /health, /health_generate, /get_server_info, /v1/models, /v1/models/{id}, /metrics,
+and the admin route POST /flush_cache.
 
 /health and /metrics never touch the engine thread's locks or the tokenizer: they must answer in well under
 100 ms while a decode batch runs, and before the engine has finished loading.
@@ -86,6 +87,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "max_running_requests": cfg.max_running_requests,
         "max_queued_requests": cfg.max_queued_requests,
         "chunked_prefill_size": cfg.chunked_prefill_size,
+        "prefix_cache": not cfg.disable_prefix_cache,
         "decode_buckets": list(graphs.buckets),
         "compiled": graphs.compiled,
         # Buckets ready to run now (with --compile-in-background the rest are still compiling, largest first).
@@ -121,6 +123,14 @@ async def get_model(model_id: str, request: Request) -> ModelCard:
     if model_id != state.model_name:
         raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
     return _card(state)
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> dict[str, int]:
+    """SGLang's admin route: drop the prefix cache. Entries that running requests use stay (they are in use)."""
+    state = get_state(request)
+    freed = await state.engine.flush_cache()
+    return {"flushed_slots": freed, "cached_slots": state.core.scheduler.kvm.cached_slots()}
 
 
 @router.get("/metrics")

@@ -60,6 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="inductor C++ wrapper for the decode graphs (default: %(default)s)")
     g.add_argument("--chunked-prefill-size", type=int, default=512,
                    help="most prompt tokens prefilled in one step (default: %(default)s)")
+    g.add_argument("--disable-prefix-cache", action=argparse.BooleanOptionalAction, default=False,
+                   help="recompute every prompt instead of reusing the K/V of cached prefixes (default: %(default)s)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="waiting requests beyond which new ones get 503 (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None, help="torch compute threads (default: all cores)")
@@ -73,10 +75,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from engine.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, quant_group_size=args.quant_group_size, max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, quant_group_size=args.quant_group_size,
+        max_total_tokens=args.max_total_tokens, mem_fraction=args.mem_fraction,
         max_running_requests=args.max_running_requests, max_context_len=args.max_context_len,
         decode_buckets=args.decode_buckets, disable_compile=args.disable_compile,
         compile_cache_dir=args.compile_cache_dir, cpp_wrapper=args.cpp_wrapper,
         chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
-        num_threads=args.num_threads,
+        disable_prefix_cache=args.disable_prefix_cache, num_threads=args.num_threads,
     )

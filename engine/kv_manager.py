@@ -1,0 +1,128 @@
+"""Who owns which KV slot: the pool's free list, the prefix cache, or one request.
+
+A request's row of the request-to-token table maps position i to a slot. Positions [0, cached_len) are
+tree slots, shared and locked through `req.cache_node`; positions [cached_len, kv_len) are the request's own.
+Releasing a request hands its own slots to the tree (or back to the pool when the cache is off or already
+holds those tokens), so nothing is freed twice and nothing leaks: tree + requests + free == pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.pools import KVPool, ReqToTokenPool
+from engine.radix_cache import RadixCache
+from engine.request import Request
+
+
+@dataclass
+class CacheStats:
+    queried_tokens: int = 0  # tokens admitted requests needed in the cache
+    hit_tokens: int = 0  # of which were found there
+    evicted_tokens: int = 0  # cache entries dropped to make room
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVManager:
+    def __init__(self, kv: KVPool, req_pool: ReqToTokenPool, prefix_cache: bool) -> None:
+        self.kv, self.req_pool = kv, req_pool
+        self.cache = RadixCache(kv) if prefix_cache else None
+        self.stats = CacheStats()
+
+    # ---- sizes ----------------------------------------------------------------------------------------
+    def headroom(self) -> int:
+        """Slots an allocation can get: free ones plus cached ones nobody holds (evicted on demand)."""
+        return self.kv.available_size() + (self.cache.evictable_size if self.cache else 0)
+
+    def held_slots(self) -> int:
+        """Slots admitted requests hold (their own and locked tree ones): the pool's real load."""
+        return self.kv.num_slots - self.headroom()
+
+    def cached_slots(self) -> int:
+        return self.cache.total_size if self.cache else 0
+
+    def allocate(self, n: int) -> torch.Tensor | None:
+        """n slots, evicting unused cache entries if the free list is short; None when even that is not enough."""
+        short = n - self.kv.available_size()
+        if short > 0 and self.cache is not None:
+            self.stats.evicted_tokens += self.cache.evict(short)
+        return self.kv.allocate(n)
+
+    # ---- a request's life -------------------------------------------------------------------------------
+    def match(self, req: Request) -> int:
+        """Map the longest cached prefix of the request's tokens into its (fresh) row and lock it; returns its
+        length. At least one token is always left to compute: the next token's logits come from it."""
+        req.cached_len, req.cache_node = 0, None
+        if self.cache is None:
+            return 0
+        slots, node = self.cache.match(req.all_ids[: req.fill_len - 1])
+        self.cache.lock(node)
+        req.cache_node, req.cached_len = node, slots.numel()
+        self.req_pool.table[req.req_row, : req.cached_len] = slots.to(torch.int32)
+        self.stats.queried_tokens += req.fill_len
+        self.stats.hit_tokens += req.cached_len
+        return req.cached_len
+
+    def unmatch(self, req: Request) -> None:
+        """Undo `match` for a request that is not admitted after all."""
+        if self.cache is not None and req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            self.stats.queried_tokens -= req.fill_len
+            self.stats.hit_tokens -= req.cached_len
+        req.cache_node, req.cached_len = None, 0
+
+    def publish(self, req: Request) -> None:
+        """Put the request's computed tokens in the tree now (mid-prefill), so requests admitted later share
+        them; its own slots that duplicate cached ones are swapped for the tree's and freed."""
+        if self.cache is None or req.kv_len <= req.cached_len:
+            return
+        row = self.req_pool.table[req.req_row]
+        ids = req.all_ids[: req.kv_len]
+        had = self.cache.insert(ids, row[: req.kv_len].to(torch.int64))
+        self.kv.free(row[req.cached_len : had].to(torch.int64))
+        slots, node = self.cache.match(ids)
+        assert slots.numel() == req.kv_len
+        row[req.cached_len : req.kv_len] = slots[req.cached_len :].to(torch.int32)
+        self.cache.lock(node)
+        assert req.cache_node is not None
+        self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = node, req.kv_len
+
+    def release(self, req: Request) -> None:
+        """Give back the request's row; its computed K/V stay cached for later requests (idempotent: a
+        released request holds row 0)."""
+        if not req.req_row:
+            return
+        row = self.req_pool.table[req.req_row]
+        own = row[req.cached_len : req.kv_len].to(torch.int64)
+        if self.cache is None:
+            self.kv.free(own)
+        else:
+            had = self.cache.insert(req.all_ids[: req.kv_len], row[: req.kv_len].to(torch.int64))
+            self.kv.free(own[: max(had - req.cached_len, 0)])
+            assert req.cache_node is not None
+            self.cache.unlock(req.cache_node)
+        self.req_pool.free(req.req_row)
+        req.req_row, req.kv_len, req.cached_len, req.cache_node = 0, 0, 0, None
+
+    def flush(self) -> int:
+        return self.cache.flush() if self.cache else 0
+
+    # ---- checks (tests) ---------------------------------------------------------------------------------
+    def check(self, admitted: list[Request]) -> None:
+        """Raise unless every slot is owned exactly once: free list, tree, or one admitted request."""
+        parts = [self.kv._free]
+        if self.cache is not None:
+            self.cache.check()
+            parts.append(self.cache.all_slots())
+        for r in admitted:
+            parts.append(self.req_pool.table[r.req_row, r.cached_len : r.kv_len].to(torch.int64))
+            if self.cache is None:
+                assert r.cached_len == 0 and r.cache_node is None
+        owned = torch.cat(parts).sort().values
+        assert torch.equal(owned, torch.arange(1, self.kv.num_slots + 1)), "a KV slot is owned twice or lost"
+        assert int(self.kv._in_use.sum()) == self.kv.num_slots - self.kv.available_size()
