@@ -32,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from server.bench.compare import format_comparison, load_reports  # noqa: E402
+from server.bench.multiturn import format_multi_turn_comparison  # noqa: E402
 
 PEERS = REPO.parent / "shared" / "peers"
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ember-peers"))
@@ -63,6 +64,29 @@ def wait_for_idle(max_load: float, wait_s: float, every_s: float = 30.0) -> tupl
             return False, load
         print(f"load average {load:.2f} >= {max_load}: waiting {every_s:.0f} s", flush=True)
         time.sleep(every_s)  # polling another user's load: there is nothing to wait on
+
+
+def multi_turn_command(name: str, port: int, cache_dir: Path, ember_dtype: str) -> list[str]:
+    """--workload multi-turn: 8 slots of 4096 tokens on llama-server (its prompt cache is per slot; -np 32 would
+    leave 512 tokens each, less than the system prompt), vLLM's context raised to 4096 (prefix caching is on by
+    default in its V1 engine), Ember's pool at the same 32768 tokens."""
+    cores = str(os.cpu_count() or 1)
+    if name.startswith("llama-"):
+        build = "llama.cpp-build-avx2" if name.endswith("-avx2") else "llama.cpp-build"
+        gguf = {"llama-bf16": "smollm2-135m-bf16.gguf", "llama-q41": "q4_1.gguf"}[name.removesuffix("-avx2")]
+        return [str(PEERS_DIR / build / "bin" / "llama-server"), "-m", str(PEERS_DIR / "smollm2" / gguf), "-a",
+                "model", "--host", "127.0.0.1", "--port", str(port), "-t", cores, "-tb", cores, "-np", "8", "-c",
+                "32768", "--no-webui", "--no-repack", "--cache-reuse", "256"]
+    if name == "vllm":
+        venv = PEERS_DIR / "venv-vllm"
+        return ["env", f"VLLM_CACHE_ROOT={PEERS_DIR / 'cache' / 'vllm'}", "VLLM_CPU_KVCACHE_SPACE=2",
+                f"LD_PRELOAD={PEERS_DIR}/debs/root/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:"
+                f"{venv}/lib/libiomp5.so", str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(PEERS_DIR / "smollm2" / "hf-bf16"), "--served-model-name", "model", "--dtype",
+                "bfloat16", "--max-model-len", "4096", "--enable-prefix-caching", "--host", "127.0.0.1",
+                "--port", str(port)]
+    cmd = server_command(name, port, cache_dir, ember_dtype)
+    return [*cmd[: cmd.index("--max-total-tokens")], "--max-total-tokens", "32768", "--max-running-requests", "32"]
 
 
 def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "auto") -> list[str]:
@@ -106,7 +130,7 @@ def compiled(base: str) -> bool:
 
 
 def start(name: str, port: int, cache_dir: Path, log: Path, ember_isa: str | None = None,
-          ember_dtype: str = "auto") -> tuple[subprocess.Popen[bytes], float, float]:
+          ember_dtype: str = "auto", workload: str = "fixed") -> tuple[subprocess.Popen[bytes], float, float]:
     """Start one server in its own process group and wait for /health 200 and (Ember) every compiled bucket:
     (process, seconds to /health 200, seconds until fully compiled)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
@@ -114,7 +138,8 @@ def start(name: str, port: int, cache_dir: Path, log: Path, ember_isa: str | Non
         env["EMBER_ISA"] = ember_isa
     t0 = time.monotonic()
     with open(log, "wb") as f:
-        proc = subprocess.Popen(server_command(name, port, cache_dir, ember_dtype), cwd=REPO, env=env, stdout=f,
+        command = (multi_turn_command if workload == "multi-turn" else server_command)(name, port, cache_dir, ember_dtype)
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     deadline = t0 + START_TIMEOUT_S.get("ember" if name.startswith("ember") else name, 300.0)
     while health(f"http://127.0.0.1:{port}") != 200:
@@ -147,6 +172,9 @@ def bench(name: str, port: int, pid: int, concurrency: int, args: argparse.Names
     cmd = [PY, "-m", "server.cli", "bench", "--base-url", f"http://127.0.0.1:{port}", "--model", "model",
            "--concurrency", str(concurrency), "--prompt-len", str(args.prompt_len), "--max-tokens",
            str(args.max_tokens), "--pid", str(pid), "--label", name, "--json", str(out)]
+    if args.workload == "multi-turn":
+        cmd += ["--workload", "multi-turn", "--conversations", str(args.conversations), "--turns", str(args.turns),
+                "--system-len", str(args.system_len), "--user-len", str(args.user_len)]
     print(f"--- {name}, {concurrency} clients (load average {load1():.2f})", flush=True)
     try:
         subprocess.run(cmd, cwd=REPO, check=False, timeout=BENCH_TIMEOUT_S)
@@ -169,6 +197,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-load", type=float, default=0.5, help="start when the 1-min load is below (default: %(default)s)")
     p.add_argument("--idle-wait", type=float, default=600.0, help="wait at most this for it, seconds (default: %(default)s)")
     p.add_argument("--skip-setup", action="store_true", help="do not run ../shared/peers/setup.sh first")
+    p.add_argument("--workload", choices=["fixed", "multi-turn"], default="fixed",
+                   help="multi-turn: `ember bench --workload multi-turn` once per server (--concurrency is ignored; "
+                        "servers get multi-turn sizes, see multi_turn_command) (default: %(default)s)")
+    p.add_argument("--conversations", type=int, default=8, help="multi-turn (default: %(default)s)")
+    p.add_argument("--turns", type=int, default=6, help="multi-turn (default: %(default)s)")
+    p.add_argument("--system-len", type=int, default=1000, help="multi-turn (default: %(default)s)")
+    p.add_argument("--user-len", type=int, default=64, help="multi-turn (default: %(default)s)")
     p.add_argument("--ember-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="Ember's --dtype (default: %(default)s, Ember's own default; issue 13's tables: bfloat16)")
     p.add_argument("--ember-isa", default=None, choices=["avx2", "avx512", "avx512bf16"],
@@ -205,14 +240,15 @@ def main() -> int:
             try:
                 proc, ready_s, compiled_s = start(name, args.port, args.compile_cache_dir,
                                                   out / "logs" / f"r{rep}-{name}.log", args.ember_isa,
-                                                  args.ember_dtype)
+                                                  args.ember_dtype, args.workload)
             except RuntimeError as exc:  # one broken server must not cost the others' figures
                 print(f"SKIPPED {name}: {exc}", file=sys.stderr, flush=True)
                 runs.append({"round": rep, "server": name, "error": str(exc)[:500]})
                 continue
             print(f"{name} ready in {ready_s:.1f} s, fully compiled in {compiled_s:.1f} s", flush=True)
             try:
-                for c in (int(x) for x in args.concurrency.split(",")):
+                levels = [args.conversations] if args.workload == "multi-turn" else args.concurrency.split(",")
+                for c in (int(x) for x in levels):
                     report = bench(name, args.port, proc.pid, c, args, out / f"r{rep}-{name}-c{c:03d}.json")
                     runs.append({"round": rep, "server": name, "clients": c, "ready_s": ready_s,
                                  "compiled_s": compiled_s, "isa": args.ember_isa if name.startswith("ember") else None,
@@ -222,6 +258,9 @@ def main() -> int:
     meta = {"start_load": load, "idle_at_start": idle, "servers": servers, "argv": sys.argv[1:], "runs": runs}
     (out / "summary.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"\nreports: {out}\n")
+    if args.workload == "multi-turn":
+        print(format_multi_turn_comparison(out))
+        return 0
     for ref in [s for s in servers if s.startswith("ember")] or ["ember"]:
         print(format_comparison(load_reports(out), ref))
     return 0

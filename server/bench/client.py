@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -31,7 +31,13 @@ class RequestResult:
     text_chunks: int = 0
     usage_completion_tokens: int | None = None
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
+    text_parts: list[str] = field(default_factory=list)  # the streamed text (multi-turn conversations reuse it)
     error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
     @property
     def output_tokens(self) -> int:
@@ -68,12 +74,17 @@ def _on_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> None:
         if result.first_token is None:
             result.first_token = now
         result.last_token = now
-        if any(c.get("text") for c in choices):
+        texts = [c.get("text") for c in choices if c.get("text")]
+        if texts:
             result.text_chunks += 1
+            result.text_parts.extend(texts)
     usage = chunk.get("usage")
     if usage:
         result.usage_completion_tokens = int(usage.get("completion_tokens", 0))
         result.usage_prompt_tokens = int(usage.get("prompt_tokens", 0))
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            result.usage_cached_tokens = int(details["cached_tokens"])
 
 
 async def _read_stream(resp: httpx.Response, result: RequestResult) -> None:

@@ -20,6 +20,7 @@ import httpx
 import psutil
 
 from server.bench.client import RequestResult, RequestSpec, stream_completion
+from server.bench.multiturn import MultiTurnReport, format_multi_turn, run_multi_turn, write_multi_turn_json
 from server.bench.prompts import PromptError, build_prompts
 from server.bench.report import BenchReport, RunInfo, format_table, summarize, write_json
 from server.bench.rss import ServerMonitor
@@ -49,6 +50,14 @@ def add_load_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label", default="server", help="name of the server in the report (default: %(default)s)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     g.add_argument("--json", dest="bench_json", default=None, metavar="FILE", help="also write the report as JSON")
+    m = p.add_argument_group("multi-turn workload (server/bench/multiturn.py)")
+    m.add_argument("--workload", choices=["fixed", "multi-turn"], default="fixed",
+                   help="fixed: N clients, distinct P-token prompts; multi-turn: conversations sharing a system "
+                        "prompt, each turn resending the history (default: %(default)s)")
+    m.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default: %(default)s)")
+    m.add_argument("--turns", type=int, default=6, help="turns per conversation (default: %(default)s)")
+    m.add_argument("--system-len", type=int, default=1000, help="shared system prompt tokens (default: %(default)s)")
+    m.add_argument("--user-len", type=int, default=64, help="tokens per user message (default: %(default)s)")
 
 
 def root_url(base_url: str) -> str:
@@ -108,9 +117,28 @@ async def run_load(args: argparse.Namespace) -> BenchReport:
                      monitor.other_cpu_seconds if has_pid else None)
 
 
+async def _multi_turn(args: argparse.Namespace) -> MultiTurnReport:
+    headers = {"Authorization": f"Bearer {args.bench_api_key}"} if args.bench_api_key else {}
+    limits = httpx.Limits(max_connections=args.conversations + 2, max_keepalive_connections=args.conversations + 2)
+    async with httpx.AsyncClient(base_url=root_url(args.bench_base_url), headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
+        model = args.bench_model or await first_model(client)
+        return await run_multi_turn(args, model, client)
+
+
 def run_load_bench(args: argparse.Namespace) -> int:
     """The `ember bench` command: 0 when every measured request succeeded, 1 otherwise, 2 when it cannot run."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the table
+    if args.workload == "multi-turn":
+        try:
+            mt = asyncio.run(_multi_turn(args))
+        except (PromptError, ValueError, httpx.HTTPError, psutil.Error, KeyError, IndexError) as exc:
+            print(f"ember bench: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        print(format_multi_turn(mt))
+        if args.bench_json:
+            write_multi_turn_json(args.bench_json, mt)
+        return 0 if mt.errors == 0 else 1
     try:
         report = asyncio.run(run_load(args))
     except (PromptError, ValueError, httpx.HTTPError, psutil.Error, KeyError, IndexError) as exc:

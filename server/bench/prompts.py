@@ -47,7 +47,7 @@ def seeded_text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
-async def _tokenize(client: httpx.AsyncClient, tok: Tokenizer, model: str | None, text: str) -> list[int] | None:
+async def tokenize(client: httpx.AsyncClient, tok: Tokenizer, model: str | None, text: str) -> list[int] | None:
     body: dict[str, Any] = {tok.body_key: text}
     if tok.body_key == "prompt":
         body.update(model=model, add_special_tokens=False)
@@ -69,7 +69,7 @@ async def _tokenize(client: httpx.AsyncClient, tok: Tokenizer, model: str | None
 async def find_tokenizer(client: httpx.AsyncClient, model: str | None) -> Tokenizer | None:
     """The first endpoint of TOKENIZERS that turns a sentence into a non-empty list of ids."""
     for tok in TOKENIZERS:
-        if await _tokenize(client, tok, model, "The quick brown fox jumps over the lazy dog.") is not None:
+        if await tokenize(client, tok, model, "The quick brown fox jumps over the lazy dog.") is not None:
             return tok
     return None
 
@@ -80,7 +80,7 @@ async def token_stream(client: httpx.AsyncClient, tok: Tokenizer, model: str | N
     rng = random.Random(seed)
     ids: list[int] = []
     while len(ids) < length:
-        piece = await _tokenize(client, tok, model, " " + seeded_text(rng, _WORDS_PER_PIECE))
+        piece = await tokenize(client, tok, model, " " + seeded_text(rng, _WORDS_PER_PIECE))
         if piece is None:
             raise PromptError(f"{tok.path} stopped answering while building prompts")
         ids.extend(piece)
