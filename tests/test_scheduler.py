@@ -167,3 +167,21 @@ def test_abort_in_queue_in_prefill_and_mid_decode_frees_everything(folder: Path,
     assert driver.streams[("keep", 0)].token_ids == run_solo(eager, prompts["keep"], greedy).token_ids
     assert core.scheduler.stats.aborted == 5  # queued, long, decoding, pair/0, pair/1
     assert_idle_and_empty(core)
+
+
+def test_prompts_arriving_together_get_first_tokens_one_after_another(folder: Path, eager: EngineCore) -> None:
+    """A prefill batch takes no further prompt once it holds PREFILL_BATCH_TOKENS: three 150-token prompts that
+    fit one 512-token chunk still run one per forward, so the first has its first token after one prefill."""
+    core = tiny_engine(folder, chunked_prefill_size=512)
+    rng = random.Random(9)
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = {f"p{i}": [rng.randrange(3, 320) for _ in range(150)] for i in range(3)}
+    driver = Driver(core)
+    for rid, prompt in prompts.items():
+        driver.add(rid, prompt, greedy)
+    driver.step()
+    assert [len(driver.streams[(rid, 0)].token_ids) for rid in prompts] == [1, 0, 0]
+    driver.run()
+    for rid, prompt in prompts.items():
+        assert driver.streams[(rid, 0)].token_ids == run_solo(eager, prompt, greedy).token_ids
+    assert_idle_and_empty(core)
