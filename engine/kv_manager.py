@@ -80,10 +80,8 @@ class KVManager:
         them; its own slots that duplicate cached ones are swapped for the tree's and freed."""
         if self.cache is None or req.kv_len <= req.cached_len:
             return
+        ids = self._insert(req)
         row = self.req_pool.table[req.req_row]
-        ids = req.all_ids[: req.kv_len]
-        had = self.cache.insert(ids, row[: req.kv_len].to(torch.int64))
-        self.kv.free(row[req.cached_len : had].to(torch.int64))
         slots, node = self.cache.match(ids)
         assert slots.numel() == req.kv_len
         row[req.cached_len : req.kv_len] = slots[req.cached_len :].to(torch.int32)
@@ -97,17 +95,25 @@ class KVManager:
         released request holds row 0)."""
         if not req.req_row:
             return
-        row = self.req_pool.table[req.req_row]
-        own = row[req.cached_len : req.kv_len].to(torch.int64)
         if self.cache is None:
-            self.kv.free(own)
+            self.kv.free(self.req_pool.table[req.req_row, req.cached_len : req.kv_len].to(torch.int64))
         else:
-            had = self.cache.insert(req.all_ids[: req.kv_len], row[: req.kv_len].to(torch.int64))
-            self.kv.free(own[: max(had - req.cached_len, 0)])
+            self._insert(req)
             assert req.cache_node is not None
             self.cache.unlock(req.cache_node)
         self.req_pool.free(req.req_row)
         req.req_row, req.kv_len, req.cached_len, req.cache_node = 0, 0, 0, None
+
+    def _insert(self, req: Request) -> list[int]:
+        """Cache the request's computed tokens; its own slots for tokens the tree already held go back to the
+        pool (the tree keeps its copy; the row still points at them until the caller remaps or frees it).
+        Returns the inserted ids."""
+        assert self.cache is not None
+        row = self.req_pool.table[req.req_row]
+        ids = req.all_ids[: req.kv_len]
+        had = self.cache.insert(ids, row[: req.kv_len].to(torch.int64))
+        self.kv.free(row[req.cached_len : had].to(torch.int64))  # had >= cached_len: that prefix is locked
+        return ids
 
     def flush(self) -> int:
         return self.cache.flush() if self.cache else 0
@@ -115,7 +121,8 @@ class KVManager:
     # ---- checks (tests) ---------------------------------------------------------------------------------
     def check(self, admitted: list[Request]) -> None:
         """Raise unless every slot is owned exactly once: free list, tree, or one admitted request."""
-        parts = [self.kv._free]
+        self.kv.check()
+        parts = [self.kv.free_slots()]
         if self.cache is not None:
             self.cache.check()
             parts.append(self.cache.all_slots())
@@ -125,4 +132,3 @@ class KVManager:
                 assert r.cached_len == 0 and r.cache_node is None
         owned = torch.cat(parts).sort().values
         assert torch.equal(owned, torch.arange(1, self.kv.num_slots + 1)), "a KV slot is owned twice or lost"
-        assert int(self.kv._in_use.sum()) == self.kv.num_slots - self.kv.available_size()

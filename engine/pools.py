@@ -66,6 +66,13 @@ class KVPool:
     def used_size(self) -> int:
         return self.num_slots - self.available_size()
 
+    def free_slots(self) -> torch.Tensor:
+        return self._free
+
+    def check(self) -> None:
+        """Raise if the in-use flags and the free list disagree on how many slots are taken."""
+        assert int(self._in_use.sum()) == self.used_size(), "KV in-use flags and free list disagree"
+
     def allocate(self, n: int) -> torch.Tensor | None:
         """n distinct free slots (int64), or None when fewer than n are free (nothing is taken then)."""
         if n > self._free.numel():

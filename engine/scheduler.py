@@ -63,8 +63,8 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, runner: ModelRunner, results: ResultProcessor, config: EngineConfig) -> None:
         self.runner, self.results, self.config = runner, results, config
-        self.kv, self.req_pool = runner.kv_pool, runner.req_pool
-        self.kvm = KVManager(self.kv, self.req_pool, prefix_cache=not config.disable_prefix_cache)
+        self.req_pool = runner.req_pool
+        self.kvm = KVManager(runner.kv_pool, self.req_pool, prefix_cache=not config.disable_prefix_cache)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted; prompt (or recompute) partly in the cache
         self.running: list[Request] = []  # decode batch, in admission order
@@ -86,7 +86,7 @@ class Scheduler:
         hit = [r for r in (*self.waiting, *self.prefilling, *self.running) if r.request_id == request_id]
         for req in hit:
             self._remove(req)
-            self._release(req)
+            self.kvm.release(req)
             self.results.finish(req, "abort")
             self.stats.aborted += 1
         return hit
@@ -203,7 +203,7 @@ class Scheduler:
             for req in done:
                 self.prefilling.remove(req)
                 if req.finished:
-                    self._release(req)
+                    self.kvm.release(req)
                 else:
                     req.status = ReqStatus.RUNNING
                     self.running.append(req)
@@ -218,7 +218,7 @@ class Scheduler:
                 continue
             if len(self.running) == 1:  # alone and the pool is full: it can never continue
                 req = self.running.pop()
-                self._release(req)
+                self.kvm.release(req)
                 self.results.finish(req, "length")
                 return [req]
             touched.append(self._retract(self.running[-1]))
@@ -238,14 +238,14 @@ class Scheduler:
         self.running = [r for r in batch if not r.finished]
         for req in batch:
             if req.finished:
-                self._release(req)
+                self.kvm.release(req)
         return touched + batch
 
     # ---- KV bookkeeping -------------------------------------------------------------------------------
     def _retract(self, req: Request) -> Request:
         """Free the newest request's KV and requeue it at the head; it is recomputed from its tokens later."""
         self._remove(req)
-        self._release(req)
+        self.kvm.release(req)
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
         self.stats.retractions += 1
@@ -258,9 +258,6 @@ class Scheduler:
                 queue.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-
-    def _release(self, req: Request) -> None:
-        self.kvm.release(req)
 
     def flush_cache(self) -> int:
         """Drop every prefix-cache entry no admitted request uses; returns the KV slots freed."""

@@ -32,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from server.bench.compare import format_comparison, load_reports  # noqa: E402
+from server.bench.multiturn import DEFAULTS as MULTI_TURN_DEFAULTS  # noqa: E402
 from server.bench.multiturn import format_multi_turn_comparison  # noqa: E402
 
 PEERS = REPO.parent / "shared" / "peers"
@@ -200,10 +201,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workload", choices=["fixed", "multi-turn"], default="fixed",
                    help="multi-turn: `ember bench --workload multi-turn` once per server (--concurrency is ignored; "
                         "servers get multi-turn sizes, see multi_turn_command) (default: %(default)s)")
-    p.add_argument("--conversations", type=int, default=8, help="multi-turn (default: %(default)s)")
-    p.add_argument("--turns", type=int, default=6, help="multi-turn (default: %(default)s)")
-    p.add_argument("--system-len", type=int, default=1000, help="multi-turn (default: %(default)s)")
-    p.add_argument("--user-len", type=int, default=64, help="multi-turn (default: %(default)s)")
+    for name, default in MULTI_TURN_DEFAULTS.items():  # passed through to `ember bench --workload multi-turn`
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help="multi-turn (default: %(default)s)")
     p.add_argument("--ember-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="Ember's --dtype (default: %(default)s, Ember's own default; issue 13's tables: bfloat16)")
     p.add_argument("--ember-isa", default=None, choices=["avx2", "avx512", "avx512bf16"],

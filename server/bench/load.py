@@ -20,6 +20,7 @@ import httpx
 import psutil
 
 from server.bench.client import RequestResult, RequestSpec, stream_completion
+from server.bench.multiturn import DEFAULTS as MULTI_TURN_DEFAULTS
 from server.bench.multiturn import MultiTurnReport, format_multi_turn, run_multi_turn, write_multi_turn_json
 from server.bench.prompts import PromptError, build_prompts
 from server.bench.report import BenchReport, RunInfo, format_table, summarize, write_json
@@ -54,10 +55,10 @@ def add_load_bench_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--workload", choices=["fixed", "multi-turn"], default="fixed",
                    help="fixed: N clients, distinct P-token prompts; multi-turn: conversations sharing a system "
                         "prompt, each turn resending the history (default: %(default)s)")
-    m.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default: %(default)s)")
-    m.add_argument("--turns", type=int, default=6, help="turns per conversation (default: %(default)s)")
-    m.add_argument("--system-len", type=int, default=1000, help="shared system prompt tokens (default: %(default)s)")
-    m.add_argument("--user-len", type=int, default=64, help="tokens per user message (default: %(default)s)")
+    for name, doc in (("conversations", "concurrent conversations"), ("turns", "turns per conversation"),
+                      ("system_len", "shared system prompt tokens"), ("user_len", "tokens per user message")):
+        m.add_argument("--" + name.replace("_", "-"), type=int, default=MULTI_TURN_DEFAULTS[name],
+                       help=f"{doc} (default: %(default)s)")
 
 
 def root_url(base_url: str) -> str:
@@ -85,17 +86,22 @@ async def run_phase(client: httpx.AsyncClient, spec: RequestSpec, prompts: Seque
     return results
 
 
+def http_client(args: argparse.Namespace, connections: int) -> httpx.AsyncClient:
+    """The client every workload uses: the server's root URL, the API key, room for `connections` streams."""
+    headers = {"Authorization": f"Bearer {args.bench_api_key}"} if args.bench_api_key else {}
+    limits = httpx.Limits(max_connections=connections + 2, max_keepalive_connections=connections + 2)
+    # trust_env=False: a proxy from the environment must never sit between the client and a local server.
+    return httpx.AsyncClient(base_url=root_url(args.bench_base_url), headers=headers, limits=limits,
+                             timeout=httpx.Timeout(args.timeout), trust_env=False)
+
+
 async def run_load(args: argparse.Namespace) -> BenchReport:
     n = args.concurrency
     num_requests = args.num_requests if args.num_requests is not None else 4 * n
     warmup = args.warmup_requests if args.warmup_requests is not None else n
     if n < 1 or num_requests < 1 or warmup < 0 or args.max_tokens < 1:
         raise ValueError("--concurrency, --num-requests and --max-tokens must be positive, --warmup-requests >= 0")
-    headers = {"Authorization": f"Bearer {args.bench_api_key}"} if args.bench_api_key else {}
-    limits = httpx.Limits(max_connections=n + 2, max_keepalive_connections=n + 2)
-    # trust_env=False: a proxy from the environment must never sit between the client and a local server.
-    async with httpx.AsyncClient(base_url=root_url(args.bench_base_url), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
+    async with http_client(args, n) as client:
         model = args.bench_model or await first_model(client)
         prompts, source = await build_prompts(client, model, args.prompt_len, warmup + num_requests, args.seed,
                                               args.vocab_size)
@@ -118,10 +124,7 @@ async def run_load(args: argparse.Namespace) -> BenchReport:
 
 
 async def _multi_turn(args: argparse.Namespace) -> MultiTurnReport:
-    headers = {"Authorization": f"Bearer {args.bench_api_key}"} if args.bench_api_key else {}
-    limits = httpx.Limits(max_connections=args.conversations + 2, max_keepalive_connections=args.conversations + 2)
-    async with httpx.AsyncClient(base_url=root_url(args.bench_base_url), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
+    async with http_client(args, args.conversations) as client:
         model = args.bench_model or await first_model(client)
         return await run_multi_turn(args, model, client)
 
@@ -129,22 +132,18 @@ async def _multi_turn(args: argparse.Namespace) -> MultiTurnReport:
 def run_load_bench(args: argparse.Namespace) -> int:
     """The `ember bench` command: 0 when every measured request succeeded, 1 otherwise, 2 when it cannot run."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the table
-    if args.workload == "multi-turn":
-        try:
-            mt = asyncio.run(_multi_turn(args))
-        except (PromptError, ValueError, httpx.HTTPError, psutil.Error, KeyError, IndexError) as exc:
-            print(f"ember bench: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 2
-        print(format_multi_turn(mt))
-        if args.bench_json:
-            write_multi_turn_json(args.bench_json, mt)
-        return 0 if mt.errors == 0 else 1
+    multi = args.workload == "multi-turn"
     try:
-        report = asyncio.run(run_load(args))
+        report: BenchReport | MultiTurnReport = asyncio.run(_multi_turn(args) if multi else run_load(args))
     except (PromptError, ValueError, httpx.HTTPError, psutil.Error, KeyError, IndexError) as exc:
         print(f"ember bench: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    print(format_table(report))
-    if args.bench_json:
-        write_json(args.bench_json, report)
+    if isinstance(report, MultiTurnReport):
+        print(format_multi_turn(report))
+        if args.bench_json:
+            write_multi_turn_json(args.bench_json, report)
+    else:
+        print(format_table(report))
+        if args.bench_json:
+            write_json(args.bench_json, report)
     return 0 if report.errors == 0 else 1

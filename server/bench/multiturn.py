@@ -31,6 +31,8 @@ from server.bench.report import percentile
 from server.bench.rss import ServerMonitor
 
 PROBES = 3
+# The workload's shape, shared by `ember bench`'s flags and scripts/bench_peers.py's pass-through flags.
+DEFAULTS = {"conversations": 8, "turns": 6, "system_len": 1000, "user_len": 64}
 PROBE_TOKENS = 4  # TTFT is what the probe measures; a few tokens keep it short
 
 
