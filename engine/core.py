@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar.compiler import GrammarCompiler
 from engine.loader import LoadedCheckpoint, load_tokenizer, open_checkpoint, resolve_model_path
 from engine.loader.prepared import PreparedModel
 from engine.model_runner import ModelRunner
@@ -57,10 +58,13 @@ class EngineCore:
         self.runner = ModelRunner(config, checkpoint, on_bucket, prepared)
         self.max_context = self.runner.max_context
         self.results = ResultProcessor(self.model_config.eos_token_ids, self.model_config.vocab_size, self.max_context)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.runner, self.results, config)
 
     def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[Request]:
-        """The n sequences of one request, validated against the model's limits (raises SamplingParamsError)."""
+        """The n sequences of one request, validated against the model's limits (raises SamplingParamsError,
+        GrammarError among them). A grammar compiles here unless it is cached: the server compiles it first, on
+        its grammar thread (EngineClient callers must, or the event loop pays the compile)."""
         if not prompt_ids:
             raise SamplingParamsError("the prompt must contain at least one token", "prompt")
         vocab = self.model_config.vocab_size
@@ -85,6 +89,7 @@ class EngineCore:
                 detok=IncrementalDetokenizer(self.tokenizer, list(prompt_ids), params.skip_special_tokens),
                 stop=StopChecker(params.stop),
                 seed=None if params.seed is None else params.seed + i,
+                matcher=None if params.grammar is None else self.grammars.matcher(params.grammar),
             )
             for i in range(params.n)
         ]

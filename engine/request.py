@@ -36,6 +36,9 @@ class Request:
     cached_len: int = 0  # of which the first cached_len are prefix-cache slots, locked through cache_node
     cache_node: Any = None  # the RadixCache node this request's cached prefix ends at (engine/kv_manager.py)
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission (reported)
+    # llguidance matcher of params.grammar, advanced by every output token (engine thread only). Retraction keeps
+    # output_ids, so the matcher never needs rolling back.
+    matcher: Any = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     # what the next RequestOutput carries (the engine drains these after each step)

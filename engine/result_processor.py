@@ -1,37 +1,56 @@
 """After a forward: sample the next tokens, append them, decide who finished, and stage their outputs.
 
 Stops are checked in this order: stop token ids / EOS (the token is not turned into text), stop strings (on
-the detokenized text, across token boundaries), then max_tokens and the context length (reason `length`).
+the detokenized text, across token boundaries), the end of a grammar (reason `stop`: a constrained output is
+complete), then max_tokens and the context length (reason `length`).
+
+Grammar-constrained rows get their token masks applied to the logits before anything else, so every
+processor, logprob and draw sees only the tokens the grammar allows. min_tokens does not ban EOS on them:
+the grammar alone decides where the output may end.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from engine.request import ReqStatus, Request
+from engine.grammar.masks import MaskBuffer, apply_masks
 from engine.sampler import SamplingBatch, argmax_rows, sample
+
+log = logging.getLogger("ember.engine")
 
 
 class ResultProcessor:
     def __init__(self, eos_token_ids: tuple[int, ...], vocab_size: int, max_context: int) -> None:
         self.eos = frozenset(eos_token_ids)
         self.vocab_size, self.max_context = vocab_size, max_context
+        self.masks = MaskBuffer(vocab_size)
+        self.mask_seconds = 0.0  # time spent computing and applying grammar masks, and the rows they covered
+        self.masked_rows = 0
 
     def _banned(self, req: Request) -> tuple[int, ...]:
-        if len(req.output_ids) >= req.params.min_tokens:
+        if req.matcher is not None or len(req.output_ids) >= req.params.min_tokens:
             return ()
         eos = () if req.params.ignore_eos else tuple(self.eos)
         return eos + tuple(req.params.stop_token_ids)
 
     def sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
         now = time.monotonic()
+        logits = logits[:, : self.vocab_size]
+        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if constrained:
+            t0 = time.perf_counter()
+            apply_masks(logits, constrained, self.masks.bias([reqs[i].matcher for i in constrained]))
+            self.mask_seconds += time.perf_counter() - t0
+            self.masked_rows += len(constrained)
         banned = [self._banned(r) for r in reqs]
         if not any(banned) and all(r.params.plain_greedy for r in reqs):
             # The common serving case needs only the argmax: skip building the [B]-tensor sampling batch (its
             # dozen small tensors cost more than the argmax itself).
-            for req, token in zip(reqs, argmax_rows(logits[:, : self.vocab_size]).tolist()):
+            for req, token in zip(reqs, argmax_rows(logits).tolist()):
                 self._append(req, token, None, now)
             return
         batch = SamplingBatch.build(
@@ -43,7 +62,7 @@ class ResultProcessor:
             self.vocab_size,
             banned=banned,
         )
-        result = sample(logits[:, : self.vocab_size], batch)
+        result = sample(logits, batch)
         tokens = result.token_ids.tolist()
         lps = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
@@ -63,6 +82,11 @@ class ResultProcessor:
             req.pending_logprobs.append(lp)
         req.first_token_at = req.first_token_at or now
         p = req.params
+        if req.matcher is not None and not req.matcher.consume_token(token):
+            # Cannot happen with the mask applied, short of a bug: never let a request run on off its grammar.
+            log.error("request %s: token %d rejected by its grammar: %s", req.rid, token, req.matcher.get_error())
+            self.finish(req, "abort")
+            return
         if token in p.stop_token_ids:
             self.finish(req, "stop", token)
             return
@@ -73,6 +97,8 @@ class ResultProcessor:
         req.pending_text += text
         if hit is not None:
             self.finish(req, "stop", hit, flush=False)
+        elif req.matcher is not None and req.matcher.is_stopped():
+            self.finish(req, "stop")
         elif len(req.output_ids) >= req.max_new_tokens or req.fill_len >= self.max_context:
             self.finish(req, "length")
 

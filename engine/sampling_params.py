@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.grammar.spec import GrammarSpec
 
 # Temperatures below this sample greedily (as vLLM): the tempered distribution is already a point mass to float32
 # precision, and dividing by a much smaller one can overflow to inf and give NaN weights.
@@ -36,6 +40,7 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # constrain the output (structured outputs, forced tool calls)
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, str]] = [

@@ -1,0 +1,1 @@
+"""Structured outputs: grammar specs, their compilation (llguidance) and the token masks they put on logits."""
