@@ -67,6 +67,11 @@ class EngineCollector(Collector):
         yield _counter("ember:num_retractions", "Sequences retracted from the batch when the KV pool ran dry.",
                        stats.retractions)
         yield _counter("ember:prefill_steps", "Prefill (extend) forwards.", stats.prefill_steps)
+        yield _counter("ember:grammar_mask_seconds", "Seconds spent computing and applying structured-output token "
+                       "masks.", core.results.mask_seconds)
+        yield _counter("ember:grammar_masked_rows", "Sampled rows that a grammar constrained.", core.results.masked_rows)
+        yield _gauge("ember:grammar_cache_entries", "Compiled grammars (schemas, regexes, tool formats) cached.",
+                     core.grammars.cached())
         steps = CounterMetricFamily("ember:decode_steps", "Decode steps run per batch-size bucket.", labels=["bucket"])
         for bucket, n in sorted(dict(graphs.steps_per_bucket).items()):
             steps.add_metric([str(bucket)], n)

@@ -12,6 +12,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from engine.outputs import RequestOutput
+from server.api.chat_tools import finish_reason
 from server.api.generation import TaggedOutputs
 from server.api.openai_format import CompletionLogprobsBuilder, TokenStrings, chat_logprobs, usage
 from server.api.protocol import (
@@ -21,8 +22,11 @@ from server.api.protocol import (
     ChatStreamChoice,
     CompletionChoice,
     CompletionChunk,
+    FunctionCallDelta,
+    ToolCallDelta,
 )
 from server.api.sse import DONE, ChunkFrame, error_event, event
+from server.api.tool_parsers import ToolParser, ToolStream
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,19 @@ async def _with_usage(spec: StreamSpec, body: AsyncGenerator[str, None], tally: 
     yield DONE
 
 
-def chat_events(spec: StreamSpec, outputs: TaggedOutputs,
-                strings: TokenStrings) -> AsyncGenerator[str, None]:
+@dataclass(frozen=True)
+class ToolStreaming:
+    """Tool calls read out of a chat stream: text that may open a call is held back until it is decided."""
+
+    parser: ToolParser
+    parallel: bool  # False: calls after the first are dropped (parallel_tool_calls false)
+
+
+def chat_events(spec: StreamSpec, outputs: TaggedOutputs, strings: TokenStrings,
+                tools: ToolStreaming | None = None) -> AsyncGenerator[str, None]:
     tally = _Tally()
+    streams: dict[int, ToolStream] = {}
+    calls: dict[int, int] = {}  # choice -> tool calls sent
 
     def chunk(*choices: ChatStreamChoice) -> ChatCompletionChunk:
         # Every field passed explicitly: events are serialized with exclude_unset (see server/api/sse.py).
@@ -79,6 +93,23 @@ def chat_events(spec: StreamSpec, outputs: TaggedOutputs,
 
     frame = ChunkFrame(spec.request_id, "chat.completion.chunk", spec.created, spec.model, spec.include_usage)
 
+    def tool_events(index: int, text: str, final: bool) -> tuple[str, list[str]]:
+        """(content to send, tool-call chunks) for new text of a choice, through its tool parser."""
+        assert tools is not None
+        stream = streams.setdefault(index, tools.parser.stream())
+        content, out = [], []
+        for ev in (stream.feed(text) if text else []) + (stream.finish() if final else []):
+            if isinstance(ev, str):
+                content.append(ev)
+            elif tools.parallel or not calls.get(index):
+                k = calls[index] = calls.get(index, 0) + 1
+                delta = ChatDelta(tool_calls=[ToolCallDelta(index=k - 1, id=ev.id, type="function",
+                                                            function=FunctionCallDelta(name=ev.name,
+                                                                                       arguments=ev.arguments))])
+                out.append(event(chunk(ChatStreamChoice(index=index, delta=delta, logprobs=None,
+                                                        finish_reason=None))))
+        return "".join(content), out
+
     async def body() -> AsyncGenerator[str, None]:
         for i in range(spec.n):
             yield event(chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""),
@@ -86,17 +117,23 @@ def chat_events(spec: StreamSpec, outputs: TaggedOutputs,
         async with aclosing(outputs) as outs:
             async for prompt_idx, out in outs:
                 tally.add(out.index, prompt_idx, out)
+                text, call_chunks = out.text, []
+                if tools is not None:
+                    text, call_chunks = tool_events(out.index, out.text, out.finish_reason is not None)
                 if not spec.logprobs:
-                    if out.text:
-                        yield frame.chat_content(out.index, out.text)
+                    if text:
+                        yield frame.chat_content(out.index, text)
                 else:
                     lps = ChatLogprobs(content=chat_logprobs(strings, out.logprobs or ()))
-                    if out.text or lps.content:
-                        yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(content=out.text),
+                    if text or lps.content:
+                        yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(content=text),
                                                            logprobs=lps, finish_reason=None)))
+                for c in call_chunks:
+                    yield c
                 if out.finish_reason is not None:
+                    reason = finish_reason(out.finish_reason, bool(calls.get(out.index)))
                     yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(), logprobs=None,
-                                                       finish_reason=out.finish_reason, stop_reason=out.stop_reason)))
+                                                       finish_reason=reason, stop_reason=out.stop_reason)))
 
     return _with_usage(spec, body(), tally, chunk)
 

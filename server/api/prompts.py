@@ -4,11 +4,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from engine.grammar.spec import GrammarSpec
 from engine.sampling_params import SamplingParams
 from server.api.errors import APIError
 from server.api.protocol import ChatMessage, SamplingFields
@@ -35,12 +36,15 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
-                add_generation_prompt: bool) -> list[int]:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """`tools` (OpenAI function objects) go to the template's `tools` variable, for templates that render them."""
     if not tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        wrapped = None if tools is None else [{"type": "function", "function": t} for t in tools]
+        text = tokenizer.apply_chat_template(messages, tools=wrapped, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
     except TemplateError as exc:  # e.g. "roles must alternate user/assistant"
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     # The template already holds any BOS token; adding special tokens again would double it.
@@ -73,7 +77,7 @@ def _or(value: T | None, default: T) -> T:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-                    max_n: int) -> SamplingParams:
+                    max_n: int, grammar: GrammarSpec | None = None) -> SamplingParams:
     """Raises APIError for n over the limit and SamplingParamsError (-> 400 with its param) for bad ranges."""
     n = _or(req.n, 1)
     if n > max_n:
@@ -98,4 +102,5 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: bool,
         top_logprobs=top_logprobs,
         n=n,
         skip_special_tokens=req.skip_special_tokens,
+        grammar=grammar,
     )

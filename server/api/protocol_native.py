@@ -10,13 +10,13 @@ from server.api.protocol import ChatMessage
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # see server/api/protocol.py
 
 
 class NativeSamplingParams(BaseModel):
     """SGLang's `sampling_params` object (its names: max_new_tokens, min_new_tokens, sampling_seed)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     max_new_tokens: int | None = 128  # SGLang's default
     min_new_tokens: int = 0
@@ -34,6 +34,10 @@ class NativeSamplingParams(BaseModel):
     n: int = 1
     seed: int | None = Field(default=None, validation_alias="sampling_seed")
     logit_bias: dict[str, float] | None = None
+    # SGLang's output constraints (at most one)
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(_Request):

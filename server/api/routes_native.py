@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
@@ -9,6 +10,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.grammar.spec import GrammarSpec
 from engine.sampling_params import SamplingParams
 from server.api.deps import check_model, get_state
 from server.api.errors import APIError
@@ -26,13 +28,17 @@ from server.api.protocol_native import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.api.request_fields import check_request_fields
 from server.api.sse import DONE, HEADERS, EventStreamResponse, error_event
 from server.api.state import ServerState
+from server.api.structured import compile_grammar, native_grammar
 
+log = logging.getLogger("ember.server")
 router = APIRouter()
 
 
-def _params(sp: NativeSamplingParams, body: GenerateRequest, max_n: int) -> SamplingParams:
+def _params(sp: NativeSamplingParams, body: GenerateRequest, max_n: int,
+            grammar: GrammarSpec | None) -> SamplingParams:
     fields = SamplingFields(
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, n=sp.n, stop=sp.stop,
         seed=sp.seed, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
@@ -40,7 +46,7 @@ def _params(sp: NativeSamplingParams, body: GenerateRequest, max_n: int) -> Samp
         stop_token_ids=sp.stop_token_ids, skip_special_tokens=sp.skip_special_tokens, logit_bias=sp.logit_bias,
     )
     return sampling_params(fields, sp.max_new_tokens, logprobs=body.return_logprob,
-                           top_logprobs=body.top_logprobs_num, max_n=max_n)
+                           top_logprobs=body.top_logprobs_num, max_n=max_n, grammar=grammar)
 
 
 async def _prompts(state: ServerState, body: GenerateRequest) -> list[list[int]]:
@@ -68,12 +74,18 @@ def _result(rid: str, prompt_tokens: int, r: ChoiceResult, ids: list[int], logpr
 @router.post("/generate", response_model=None)
 async def native_generate(body: GenerateRequest, request: Request) -> Response:
     state = get_state(request)
-    params = _params(body.sampling_params, body, state.settings.max_n)
+    ignored = check_request_fields(body, "generate")
+    if ignored:
+        log.warning("generate: ignored unknown fields %s", ", ".join(ignored))
+    sp = body.sampling_params
+    grammar = native_grammar(sp.json_schema, sp.regex, sp.ebnf)
+    params = _params(sp, body, state.settings.max_n, grammar)
     prompts = await _prompts(state, body)
     if not prompts:
         raise APIError(400, "no prompt given", param="text")
     if params.n * len(prompts) > state.settings.max_n:
         raise APIError(400, f"n times the number of prompts must be at most {state.settings.max_n}", param="n")
+    await compile_grammar(state, grammar)
     check_admission(state, prompts, params)
     base = body.rid or uuid.uuid4().hex
     rids = [base] if len(prompts) == 1 else [f"{base}-{k}" for k in range(len(prompts))]

@@ -1,6 +1,7 @@
-"""OpenAI-compatible generation: POST /v1/completions and POST /v1/chat/completions."""
+"""OpenAI-compatible legacy completions: POST /v1/completions (chat lives in routes_chat.py)."""
 from __future__ import annotations
 
+import logging
 import uuid
 from contextlib import aclosing
 
@@ -11,33 +12,31 @@ from engine.sampling_params import SamplingParams
 from server.api.deps import check_model, get_state
 from server.api.errors import APIError
 from server.api.generation import TaggedOutputs, check_admission, generate, merge, unless_disconnected
-from server.api.openai_format import ChoiceResult, CompletionLogprobsBuilder, TokenStrings, chat_logprobs, usage
-from server.api.openai_stream import StreamSpec, chat_events, completion_events
-from server.api.prompts import encode, in_tokenizer_thread, message_dicts, render_chat, sampling_params, split_prompts
+from server.api.openai_format import ChoiceResult, CompletionLogprobsBuilder, TokenStrings, usage
+from server.api.openai_stream import StreamSpec, completion_events
+from server.api.prompts import encode, in_tokenizer_thread, sampling_params, split_prompts
 from server.api.protocol import (
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatMessageOut,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
 )
+from server.api.request_fields import check_request_fields
 from server.api.sse import HEADERS, EventStreamResponse
+from server.api.structured import compile_grammar, request_grammar
 from server.api.state import ServerState
 
+log = logging.getLogger("ember.server")
 router = APIRouter()
 
 
-def _streams(state: ServerState, request_id: str, prompts: list[list[int]],
+def streams(state: ServerState, request_id: str, prompts: list[list[int]],
              params: SamplingParams) -> TaggedOutputs:
     """One engine request per prompt (ids `<id>` or `<id>-<k>`), merged; choice index = prompt * n + choice."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
     return merge([generate(state, rid, p, params) for rid, p in zip(ids, prompts, strict=True)])
 
 
-async def _collect(outputs: TaggedOutputs, n: int, choices: int) -> list[ChoiceResult]:
+async def collect(outputs: TaggedOutputs, n: int, choices: int) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in range(choices)]
     async with aclosing(outputs) as outs:
         async for prompt_idx, out in outs:
@@ -48,27 +47,32 @@ async def _collect(outputs: TaggedOutputs, n: int, choices: int) -> list[ChoiceR
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
     state = get_state(request)
+    ignored = check_request_fields(body, "completions")
+    if ignored:
+        log.warning("completion: ignored unknown fields %s", ", ".join(ignored))
     check_model(state, body.model)
+    grammar = request_grammar(body)
     params = sampling_params(body, body.max_tokens, logprobs=body.logprobs is not None,
-                             top_logprobs=body.logprobs or 0, max_n=state.settings.max_n)
+                             top_logprobs=body.logprobs or 0, max_n=state.settings.max_n, grammar=grammar)
     raw = split_prompts(body.prompt)
     if params.n * len(raw) > state.settings.max_n:
         raise APIError(400, f"n times the number of prompts must be at most {state.settings.max_n} (--max-n)",
                        param="n")
     tok = state.core.tokenizer
     prompts = [await in_tokenizer_thread(state, encode, tok, p) if isinstance(p, str) else p for p in raw]
+    await compile_grammar(state, grammar)
     check_admission(state, prompts, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     strings = TokenStrings(tok)
     echo = None
     if body.echo:
         echo = [(p if isinstance(p, str) else str(tok.decode(ids)), ids) for p, ids in zip(raw, prompts, strict=True)]
-    outputs = _streams(state, request_id, prompts, params)
+    outputs = streams(state, request_id, prompts, params)
     if body.stream:
         spec = StreamSpec(request_id, state.model_name, params.n, sum(map(len, prompts)),
                           bool(body.stream_options and body.stream_options.include_usage), params.logprobs)
         return EventStreamResponse(completion_events(spec, outputs, strings, echo), headers=HEADERS)
-    results = await unless_disconnected(request, _collect(outputs, params.n, params.n * len(prompts)))
+    results = await unless_disconnected(request, collect(outputs, params.n, params.n * len(prompts)))
     choices = []
     for index, r in enumerate(results):
         prompt_text, prompt_ids = echo[index // params.n] if echo is not None else ("", [])
@@ -78,35 +82,3 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices,
                               usage=usage(sum(map(len, prompts)), sum(r.completion_tokens for r in results),
                                           sum(r.cached_tokens for r in results[:: params.n])))
-
-
-@router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
-    state = get_state(request)
-    check_model(state, body.model)
-    if body.top_logprobs and not body.logprobs:
-        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
-                             max_n=state.settings.max_n)
-    tok = state.core.tokenizer
-    messages = message_dicts(body.messages)
-    prompt = await in_tokenizer_thread(state, render_chat, tok, messages, body.add_generation_prompt)
-    check_admission(state, [prompt], params)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    strings = TokenStrings(tok)
-    outputs = _streams(state, request_id, [prompt], params)
-    if body.stream:
-        spec = StreamSpec(request_id, state.model_name, params.n, len(prompt),
-                          bool(body.stream_options and body.stream_options.include_usage), params.logprobs)
-        return EventStreamResponse(chat_events(spec, outputs, strings), headers=HEADERS)
-    results = await unless_disconnected(request, _collect(outputs, params.n, params.n))
-    choices = [
-        ChatChoice(index=i, message=ChatMessageOut(content=r.text),
-                   logprobs=ChatLogprobs(content=chat_logprobs(strings, r.logprobs)) if params.logprobs else None,
-                   finish_reason=r.finish_reason, stop_reason=r.stop_reason)
-        for i, r in enumerate(results)
-    ]
-    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                                  usage=usage(len(prompt), sum(r.completion_tokens for r in results),
-                                              results[0].cached_tokens))

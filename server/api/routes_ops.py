@@ -99,11 +99,15 @@ async def server_info(request: Request) -> dict[str, Any]:
         # --quantization, the weights' form (EngineConfig.weights_tag) and each quantized format's weight count
         "quantization": {"mode": cfg.quantization, "weights": core.runner.weights_tag,
                          "formats": quantized_formats(core.runner.model)},
+        # The parser reads tool calls in this format; "auto" picks it from the chat template per request.
+        "structured_outputs": {"backend": "llguidance", "tool_call_parser": settings.tool_call_parser or "auto",
+                               "cached_grammars": core.grammars.cached()},
         "max_n": settings.max_n,
         "max_request_bytes": settings.max_request_bytes,
         "auth": settings.api_key is not None,
         "versions": {"ember": _version("ember"), "torch": _version("torch"),
-                     "transformers": _version("transformers"), "python": platform.python_version()},
+                     "transformers": _version("transformers"),
+                     "llguidance": _version("llguidance"), "python": platform.python_version()},
     }
 
 

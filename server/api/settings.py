@@ -17,6 +17,7 @@ class ServerSettings:
     shutdown_grace_seconds: float = 30.0  # SIGTERM: how long running requests may finish before being aborted
     retry_after_seconds: int = 1  # what a 503 tells the client to wait
     log_level: str = "info"
+    tool_call_parser: str | None = None  # None: chosen from the chat template (server/api/tool_parsers.py)
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:

@@ -27,6 +27,10 @@ class ServerState:
     # runs concurrently with itself (HF fast tokenizers are not safe for concurrent mutation).
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-tokenize"))
+    # Grammar compiles (structured outputs, forced tool calls) get their own worker: a complex schema can take
+    # 100 ms or more, which must delay neither tokenizing other prompts nor the decode batch.
+    grammar_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-grammar"))
     started_at: float = field(default_factory=time.time)
     draining: bool = False
     # engine request id -> number of sequences (choices) it runs
@@ -77,3 +81,4 @@ class ServerState:
 
     def shutdown(self) -> None:
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)

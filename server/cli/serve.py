@@ -42,6 +42,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="serve as soon as the model is loaded: decode buckets that have no saved step compile in "
                         "a background thread, largest first, and are swapped in as each is ready; until then a "
                         "batch runs in a larger ready bucket or eagerly (default: %(default)s)")
+    g.add_argument("--tool-call-parser", default=env("EMBER_TOOL_CALL_PARSER", "auto"),
+                   choices=["auto", "hermes", "llama3_json", "mistral"],
+                   help="the format tool calls are read in (and forced in, for tool_choice required): auto picks it "
+                        "from the chat template, hermes when the template has no tool support "
+                        "(default: %(default)s)")
     g.add_argument("--log-level", default=env("EMBER_LOG_LEVEL", "info"),
                    choices=["critical", "error", "warning", "info", "debug"], help="(default: %(default)s)")
 
@@ -50,7 +55,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                           max_n=args.max_n, shutdown_grace_seconds=args.shutdown_grace_seconds,
-                          log_level=args.log_level)
+                          log_level=args.log_level,
+                          tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,88 @@
+"""POST /v1/chat/completions: the chat template, structured outputs, and tool calls in and out."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import replace
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.api.chat_tools import ToolPlan, finish_reason, message_parts, plan_tools
+from server.api.deps import check_model, get_state
+from server.api.errors import APIError
+from server.api.generation import check_admission, unless_disconnected
+from server.api.openai_format import TokenStrings, chat_logprobs, usage
+from server.api.openai_stream import StreamSpec, ToolStreaming, chat_events
+from server.api.prompts import in_tokenizer_thread, render_chat, sampling_params
+from server.api.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    FunctionCallOut,
+    ToolCallOut,
+)
+from server.api.request_fields import check_request_fields
+from server.api.routes_openai import collect, streams
+from server.api.sse import HEADERS, EventStreamResponse
+from server.api.state import ServerState
+from server.api.structured import compile_grammar, request_grammar
+
+log = logging.getLogger("ember.server")
+router = APIRouter()
+
+
+async def _plan(state: ServerState, body: ChatCompletionRequest) -> ToolPlan:
+    # On the grammar thread: the first forced tool call builds the grammar tokenizer (~0.5 s).
+    tok = state.core.tokenizer
+    return await asyncio.get_running_loop().run_in_executor(
+        state.grammar_pool, plan_tools, body, tok.chat_template, state.settings.tool_call_parser,
+        state.core.grammars)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
+    state = get_state(request)
+    ignored = check_request_fields(body, "chat")
+    if ignored:
+        log.warning("chat completion: ignored unknown fields %s", ", ".join(ignored))
+    check_model(state, body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    plan = await _plan(state, body)
+    grammar = plan.grammar or request_grammar(body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+                             max_n=state.settings.max_n, grammar=grammar)
+    if plan.keep_special_tokens:
+        params = replace(params, skip_special_tokens=False)
+    tok = state.core.tokenizer
+    prompt = await in_tokenizer_thread(state, render_chat, tok, plan.messages, body.add_generation_prompt,
+                                       plan.template_tools)
+    await compile_grammar(state, grammar)
+    check_admission(state, [prompt], params)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    strings = TokenStrings(tok)
+    outputs = streams(state, request_id, [prompt], params)
+    parallel = body.parallel_tool_calls is not False
+    if body.stream:
+        spec = StreamSpec(request_id, state.model_name, params.n, len(prompt),
+                          bool(body.stream_options and body.stream_options.include_usage), params.logprobs)
+        tools = None if plan.parser is None else ToolStreaming(plan.parser, parallel)
+        return EventStreamResponse(chat_events(spec, outputs, strings, tools), headers=HEADERS)
+    results = await unless_disconnected(request, collect(outputs, params.n, params.n))
+    choices = []
+    for i, r in enumerate(results):
+        content, calls = message_parts(plan.parser, r.text, parallel)
+        message = ChatMessageOut(content=content, tool_calls=[
+            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls])
+        choices.append(ChatChoice(
+            index=i, message=message,
+            logprobs=ChatLogprobs(content=chat_logprobs(strings, r.logprobs)) if params.logprobs else None,
+            finish_reason=finish_reason(r.finish_reason, bool(calls)), stop_reason=r.stop_reason))
+    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
+                                  usage=usage(len(prompt), sum(r.completion_tokens for r in results),
+                                              results[0].cached_tokens))
