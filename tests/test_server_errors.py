@@ -38,6 +38,7 @@ def test_400_invalid_fields_in_openai_shape(client: openai.OpenAI, http: httpx.C
     assert_error(http.post("/v1/completions", json={"prompt": "x", "temperature": "hot"}), 400, "temperature")
     assert_error(http.post("/v1/completions", json={"prompt": "x", "temperature": -1}), 400, "temperature")
     assert_error(http.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
+    assert_error(http.post("/v1/tokenize", json={"messages": []}), 400, "messages")  # was a 500 (found by fuzzing)
     assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400)
     assert_error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
                  400)
@@ -125,3 +126,28 @@ def test_engine_that_cannot_start_exits_1(tmp_path: Path) -> None:
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "the engine failed to start" in done.stderr
+
+
+def test_unexpected_errors_are_500s_that_keep_the_connection() -> None:
+    """An exception no handler knows becomes OpenAI's 500 inside the app; before, Starlette re-raised it after
+    answering, and uvicorn closed the connection (the next request on it was reset)."""
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from server.api.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    async def call() -> httpx.Response:
+        # ASGITransport re-raises any exception that escapes the app: answering is not enough to pass.
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/boom")
+
+    body = assert_error(asyncio.run(call()), 500)
+    assert body["code"] == "internal_error" and "a bug" not in body["message"]

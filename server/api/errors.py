@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.client import EngineDeadError, QueueFullError
 from engine.sampling_params import SamplingParamsError
@@ -125,9 +126,36 @@ async def disconnected_handler(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)  # nginx's "client closed request"; nobody is left to read it
 
 
-async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal server error", code="internal_error")
+class InternalErrorMiddleware:
+    """Unexpected exceptions become OpenAI's 500 here, inside the app.
+
+    Starlette's own handler for `Exception` runs in ServerErrorMiddleware, which re-raises after answering, so
+    uvicorn logged a second traceback and closed the connection: a client reusing it got a reset on its next
+    request. An exception after the response has started (mid-stream) still propagates: there is no way left
+    to answer.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            await error_response(500, "internal server error", code="internal_error")(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -137,4 +165,4 @@ def install_error_handlers(app: FastAPI) -> None:
     for engine_error in (SamplingParamsError, QueueFullError, EngineDeadError):
         app.add_exception_handler(engine_error, engine_error_handler)
     app.add_exception_handler(ClientDisconnected, disconnected_handler)
-    app.add_exception_handler(Exception, internal_error_handler)
+    app.add_middleware(InternalErrorMiddleware)

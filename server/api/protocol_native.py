@@ -71,7 +71,7 @@ class GenerateResponse(BaseModel):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

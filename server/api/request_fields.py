@@ -267,10 +267,9 @@ def check_request_fields(body: BaseModel, endpoint: Endpoint) -> list[str]:
                                code="unsupported_field")
         prefix = f"{where}." if where else ""
         unknown += [prefix + name for name in (model.model_extra or {}) if name not in known]
-    for message in getattr(body, "messages", None) or ():
-        if isinstance(message, BaseModel):
-            unknown += [f"messages[].{name}" for name in (message.model_extra or {})
-                        if f"messages[].{name}" not in unknown]
+    in_messages = dict.fromkeys(f"messages[].{name}" for message in getattr(body, "messages", None) or ()
+                                if isinstance(message, BaseModel) for name in (message.model_extra or {}))
+    unknown += in_messages  # once each, in order of appearance
     shown = [_shown(name) for name in unknown[:MAX_SHOWN_NAMES]]
     return shown + ([f"... ({len(unknown) - MAX_SHOWN_NAMES} more)"] if len(unknown) > MAX_SHOWN_NAMES else [])
 
