@@ -4,20 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.params_error import SamplingParamsError
+
 if TYPE_CHECKING:
     from engine.grammar.spec import GrammarSpec
 
 # Temperatures below this sample greedily (as vLLM): the tempered distribution is already a point mass to float32
 # precision, and dividing by a much smaller one can overflow to inf and give NaN weights.
 GREEDY_BELOW = 1e-5
-
-
-class SamplingParamsError(ValueError):
-    """A sampling field is out of range; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.sampling_params import SamplingParamsError
+from engine.params_error import SamplingParamsError
 
 GrammarKind = Literal["json_schema", "regex", "choice", "lark", "ebnf", "grammar"]
 
