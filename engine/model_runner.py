@@ -50,6 +50,8 @@ class ExtendChunk:
     prefix_len: int  # tokens of this request already in the KV cache
     token_ids: list[int]
     slots: torch.Tensor  # [len(token_ids)] int64
+    # The request's length once its whole prefill is done (0: this chunk's end): LongRoPE picks its factors by it.
+    fill_len: int = 0
 
 
 class DecodeStepModule(nn.Module):
@@ -160,6 +162,7 @@ class ModelRunner:
             req_rows=torch.tensor([c.req_row for c in chunks], dtype=torch.int64),
             prefix_lens=torch.tensor([c.prefix_len for c in chunks], dtype=torch.int64),
             extend_lens=torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64),
+            fill_lens=torch.tensor([max(c.fill_len, c.prefix_len + len(c.token_ids)) for c in chunks]),
         )
         return self.model(torch.tensor(ids, dtype=torch.int64), torch.cat(positions), meta, self.kv_pool.k,
                           self.kv_pool.v, logit_rows=torch.tensor(last_rows, dtype=torch.int64))

@@ -182,7 +182,8 @@ class Scheduler:
             slots = self.kvm.allocate(take)
             if slots is None:
                 break
-            chunks.append(ExtendChunk(req.req_row, req.kv_len, req.all_ids[req.kv_len : req.kv_len + take], slots))
+            chunks.append(ExtendChunk(req.req_row, req.kv_len, req.all_ids[req.kv_len : req.kv_len + take], slots,
+                                      req.fill_len))
             members.append(req)
             taken += take
         if not chunks:

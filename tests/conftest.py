@@ -18,6 +18,16 @@ MakeTinyModel = Callable[..., Path]
 SmolLM2Oracle = tuple[PreTrainedModel, PreTrainedTokenizerBase, Path]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo_cache() -> None:
+    """Each test module starts with dynamo's caches empty. The compiled decode step is one code object, compiled
+    once per bucket and model; a server compiles one model, but the suite compiles dozens in one process, which
+    went past dynamo's recompile limit once the Phi-3 and MoE tests were added."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> MakeTinyModel:
     """`make_tiny_model(arch, **overrides) -> Path`: a tiny random HF folder (safetensors, tokenizer with a

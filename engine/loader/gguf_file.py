@@ -15,6 +15,14 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoConfig
 
+from engine.loader.gguf_phi3 import (
+    PHI3_BLOCK_NAMES,
+    ROPE_FACTOR_TENSORS,
+    fix_phi3_config,
+    phi3_end_of_turn_ids,
+    phi3_q_rows,
+)
+from engine.loader.gguf_moe import is_moe_tensor, moe_gguf_config, moe_tensors
 from engine.loader.model_config import ModelConfig, UnsupportedModelError, model_config_from_hf
 from engine.quant.format import QuantizedTensor
 from engine.quant.gguf_repack import SUPPORTED_GGUF_TYPES, repack
@@ -22,7 +30,7 @@ from engine.quant.gguf_repack import SUPPORTED_GGUF_TYPES, repack
 log = logging.getLogger("ember.loader")
 
 # GGUF `general.architecture` values we read. llama.cpp writes Mistral models as "llama".
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe")  # Mixtral: llama with experts
 # llama.cpp's converter permutes the rows of Q and K for these (see _unpermute_rope_rows).
 _PERMUTED_QK_ARCHITECTURES: tuple[str, ...] = ("llama",)
 _ROPE_FREQS = "rope_freqs.weight"
@@ -57,19 +65,26 @@ def read_gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
             "(mistral GGUFs are written as llama)"
         )
     cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    cfg = moe_gguf_config(cfg, reader, arch)  # experts (engine/loader/gguf_moe.py); dense files unchanged
     # Two things transformers does not read from a GGUF, fixed on `cfg`: it was built just above and is ours
     # alone, and fixing it (not only the ModelConfig) keeps hf_config telling the same story.
     # 1. head_dim: for qwen2/qwen3 it falls back to the config class default (128 for Qwen3), whatever the
     #    file holds. The Q projection's rows are num_heads * head_dim, always.
     q_rows = next((int(t.shape[-1]) for t in reader.tensors if t.name == "blk.0.attn_q.weight"), None)
+    if q_rows is None and arch == "phi3":  # fused attn_qkv
+        q_rows = phi3_q_rows(reader, cfg.num_attention_heads, cfg.num_key_value_heads)
     if q_rows is None:
         raise UnsupportedModelError(f"{path} has no blk.0.attn_q.weight: not a supported transformer checkpoint")
     cfg.head_dim = q_rows // cfg.num_attention_heads
+    if arch == "phi3":  # partial rotary, LongRoPE, sliding window (engine/loader/gguf_phi3.py)
+        fix_phi3_config(reader, cfg)
     # 2. rope scaling.
     scaling = _rope_scaling(reader, arch, cfg)
     if scaling is not None:
         cfg.rope_parameters = {**cfg.rope_parameters, **scaling}
     eos = [_metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    if arch == "phi3":
+        eos += phi3_end_of_turn_ids(reader)
     return model_config_from_hf(cfg, name=path.stem, extra_eos_token_ids=[int(e) for e in eos if e is not None])
 
 
@@ -99,12 +114,16 @@ def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, keep_quantized: b
                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield (HF parameter name, tensor) one at a time: fp32, dequantized (only the current one is in memory), or
     with keep_quantized, a QuantizedTensor for each 2-D weight of a type the kernels run (the log names the rest)."""
-    permuted = _metadata(reader, "general.architecture") in _PERMUTED_QK_ARCHITECTURES
+    arch = _metadata(reader, "general.architecture")
+    permuted = arch in _PERMUTED_QK_ARCHITECTURES
     widened: dict[str, list[str]] = {}
     for t in reader.tensors:
-        if t.name == _ROPE_FREQS:
-            continue  # llama3 rope factors, already turned into config.rope_scaling
-        hf_name = hf_tensor_name(t.name)
+        if t.name == _ROPE_FREQS or t.name in ROPE_FACTOR_TENSORS:
+            continue  # llama3 / LongRoPE factors, already turned into config.rope_scaling
+        if is_moe_tensor(t.name):  # routers and experts, per expert (engine/loader/gguf_moe.py)
+            yield from moe_tensors(t, keep_quantized, widened)
+            continue
+        hf_name = hf_tensor_name(t.name, arch)
         if keep_quantized and len(t.shape) == 2:
             if t.tensor_type in SUPPORTED_GGUF_TYPES:
                 q = repack(t.data, t.tensor_type, int(t.shape[0]))
@@ -130,11 +149,13 @@ def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, keep_quantized: b
                  ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else ""))
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """token_embd.weight -> model.embed_tokens.weight, blk.3.attn_q.bias -> model.layers.3.self_attn.q_proj.bias."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
+    if arch == "phi3" and m is not None and m[2] in PHI3_BLOCK_NAMES:
+        return f"model.layers.{m[1]}.{PHI3_BLOCK_NAMES[m[2]]}.{m[3]}"
     if m is None or m[2] not in _BLOCK_NAMES:
         raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no HF counterpart in the supported models")
     return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
 from engine.loader.model_config import ModelConfig, model_config_from_hf
 
@@ -17,8 +17,21 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def read_hf_config(folder: Path) -> ModelConfig:
     """The folder's ModelConfig; eos ids merge config.json's and generation_config.json's."""
-    cfg = AutoConfig.from_pretrained(folder)
+    cfg = _su_rope_config(folder) or AutoConfig.from_pretrained(folder)
     return model_config_from_hf(cfg, name=folder.name, extra_eos_token_ids=_generation_eos_ids(folder))
+
+
+def _su_rope_config(folder: Path) -> PretrainedConfig | None:
+    """Phi-3's first 128k releases spell LongRoPE "su"; transformers 5.x renames it only after checking the
+    longrope keys, which then lack original_max_position_embeddings (a top-level key in those configs). So read
+    such a config.json with the new name; None for every other folder."""
+    path = folder / "config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    scaling = raw.get("rope_scaling") or {}
+    if "su" not in (scaling.get("type"), scaling.get("rope_type")) or raw.get("model_type") not in CONFIG_MAPPING:
+        return None
+    raw["rope_scaling"] = {**scaling, "type": "longrope", "rope_type": "longrope"}
+    return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -7,17 +7,22 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from engine.loader.moe_config import moe_fields
+
 # HF `architectures` value -> our architecture name. The order is the one error messages list.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # mixture of experts: engine/model/moe.py
+    "MixtralForCausalLM": "mixtral",
 }
 # Configs built from a GGUF file carry no `architectures`, only `model_type`.
 _MODEL_TYPES: dict[str, str] = {arch: hf for hf, arch in SUPPORTED_ARCHITECTURES.items()}
 # Rope variants the engine implements; anything else would load and then silently compute wrong positions.
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "longrope")
 
 
 class UnsupportedModelError(ValueError):
@@ -26,7 +31,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3 | qwen3_moe | mixtral
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -36,7 +41,8 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    # HF-style scaling dict with a "rope_type" key ("linear" or "llama3") and that type's keys; None = plain rope.
+    # HF-style scaling dict with a "rope_type" key ("linear", "llama3" or "longrope") and that type's keys; None = plain
+    # rope.
     rope_scaling: dict[str, Any] | None = field(hash=False)
     # For a sliding-window model this is capped at the window: within it full attention is exact.
     max_position_embeddings: int
@@ -47,6 +53,14 @@ class ModelConfig:
     bos_token_id: int | None
     name: str  # the served model name: folder name or GGUF file stem
     hf_config: PretrainedConfig | None = field(default=None, compare=False, repr=False, hash=False)
+    # Rope turns only the first int(head_dim * this) dims of each head (Phi-4-mini: 0.75); the rest pass through.
+    partial_rotary_factor: float = 1.0
+    # Mixture of experts (engine/loader/moe_config.py, engine/model/moe.py); no experts = a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the routed experts; the others stay dense
 
     @property
     def q_size(self) -> int:
@@ -55,6 +69,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)  # as transformers rounds it
 
 
 def model_config_from_hf(
@@ -88,11 +106,13 @@ def model_config_from_hf(
         max_position_embeddings=_max_positions(cfg),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         attention_bias=architecture == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-        qk_norm=architecture == "qwen3",
+        qk_norm=architecture in ("qwen3", "qwen3_moe"),
         eos_token_ids=_unique_ids(_as_ids(getattr(cfg, "eos_token_id", None)) + tuple(extra_eos_token_ids)),
         bos_token_id=getattr(cfg, "bos_token_id", None),
         name=name,
         hf_config=cfg,
+        partial_rotary_factor=_partial_rotary_factor(cfg),
+        **moe_fields(cfg, architecture),
     )
 
 
@@ -138,6 +158,20 @@ def _rope(cfg: PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return float(theta), None
     return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def _partial_rotary_factor(cfg: PretrainedConfig) -> float:
+    """transformers 5.x keeps it in rope_parameters (Phi-3 always, 1.0 by default); older configs as an attribute."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    factor = 1.0 if factor is None else float(factor)
+    if not 0.0 < factor <= 1.0 or int(_head_dim(cfg) * factor) % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor {factor} does not give an even number of rotary dims")
+    return factor
+
+
+def _head_dim(cfg: PretrainedConfig) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
 def _max_positions(cfg: PretrainedConfig) -> int:

@@ -57,6 +57,7 @@ class PreparedModel:
             return None
         fields = json.loads(meta.read_text())
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+        fields["moe_layers"] = tuple(fields.get("moe_layers", ()))
         # The HF config object only serves rope types other than the default (engine/model/rope.py); parsing it
         # imports transformers' model-config modules, which import dynamo: ~1 s of a short `ember generate`.
         rope_type = (fields.get("rope_scaling") or {}).get("rope_type", "default")

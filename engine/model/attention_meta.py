@@ -34,6 +34,7 @@ class ExtendMeta:
     req_rows: torch.Tensor  # [N] int64
     prefix_lens: torch.Tensor  # [N] int64
     extend_lens: torch.Tensor  # [N] int64
+    fill_lens: torch.Tensor | None = None  # [N] int64: each request's length once its whole prefill is done
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama incl. Llama-3 rope scaling, Mistral, Qwen2 qkv bias, Qwen3 q/k norm) over the KV pool.
+"""Llama-family decoder (Llama incl. Llama-3 rope scaling, Mistral, Qwen2 qkv bias, Qwen3 q/k norm, Phi-3 LongRoPE and
+partial rotary) over the KV pool.
 
 The forward is a pure function of its inputs plus the weights: tokens are flattened to [T] (prefill: all new
 tokens of all requests; decode: one per request), caches are passed in per layer, attention inputs arrive
@@ -16,7 +17,8 @@ from torch import nn
 
 from engine.loader.model_config import ModelConfig
 from engine.model.attention_meta import AttentionMeta
-from engine.model.rope import apply_rope
+from engine.model.moe import SparseMoE
+from engine.model.rope import apply_rope, longrope_rows
 from engine.ops.linear import embedding, linear
 from engine.quant.module import QuantizedWeight
 
@@ -36,7 +38,7 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, sparse: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
@@ -49,8 +51,10 @@ class DecoderLayer(nn.Module):
         self.k_norm = _param(d) if cfg.qk_norm else None
         self.o_proj = _param(h, self.q_size)
         self.post_attention_layernorm = _param(h)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, h)
-        self.down_proj = _param(h, cfg.intermediate_size)
+        # A mixture-of-experts layer (cfg.moe_layers) runs routed experts in place of the dense MLP.
+        self.moe = SparseMoE(cfg) if sparse else None
+        self.gate_up_proj = None if sparse else _param(2 * cfg.intermediate_size, h)
+        self.down_proj = None if sparse else _param(h, cfg.intermediate_size)
 
     def forward(
         self,
@@ -79,21 +83,28 @@ class DecoderLayer(nn.Module):
         attn = meta.attend(q, k, v, k_cache, v_cache, cfg.head_dim**-0.5)
         x = x + linear(attn.reshape(t, self.q_size), self.o_proj, cfg.hidden_size)
         h = rms_norm(x, self.post_attention_layernorm, cfg.rms_norm_eps)
+        if self.moe is not None:
+            return x + self.moe(h)
         gate, up = linear(h, self.gate_up_proj, self.inter2).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down_proj, cfg.hidden_size)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
-        """rope_cos/rope_sin: fp32 [max_positions, head_dim] tables (engine/model/rope.py), cast per step like HF."""
+    def __init__(self, cfg: ModelConfig, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                 rope_long: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+        """rope_cos/rope_sin: fp32 [max_positions, rotary_dim] tables (engine/model/rope.py), cast per step like HF.
+        rope_long: LongRoPE's long-factor tables and the length past which a request uses them (rope.longrope_rows)."""
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i in cfg.moe_layers) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
+        self.rope_long_after = None if rope_long is None else rope_long[2]
+        self.register_buffer("rope_cos_long", None if rope_long is None else rope_long[0], persistent=False)
+        self.register_buffer("rope_sin_long", None if rope_long is None else rope_long[1], persistent=False)
 
     @property
     def packed(self) -> bool:
@@ -116,8 +127,12 @@ class LlamaModel(nn.Module):
         logit_rows: torch.Tensor | None = None,  # rows whose logits are wanted (prefill: each request's last token)
     ) -> torch.Tensor:
         x = embedding(input_ids, self.embed_tokens, self.norm.dtype)  # the norms are in the serving dtype
-        cos = self.rope_cos[positions].to(x.dtype)
-        sin = self.rope_sin[positions].to(x.dtype)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if self.rope_long_after is not None:  # LongRoPE past its original context
+            use_long = longrope_rows(positions, meta, self.rope_long_after)[:, None]
+            cos = torch.where(use_long, self.rope_cos_long[positions], cos)
+            sin = torch.where(use_long, self.rope_sin_long[positions], sin)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x = layer(x, cos, sin, meta, k_cache, v_cache)
         if logit_rows is not None:

@@ -5,11 +5,14 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.model.attention_meta import AttentionMeta, ExtendMeta
 
-def inv_freq_and_scaling(hf_config: PretrainedConfig, rope_type: str, theta: float, head_dim: int) -> tuple[torch.Tensor, float]:
-    """inv_freq computed exactly as transformers does, so fp32 parity holds for every rope type it knows."""
+
+def inv_freq_and_scaling(hf_config: PretrainedConfig, rope_type: str, theta: float, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    """inv_freq computed exactly as transformers does, so fp32 parity holds for every rope type it knows.
+    rotary_dim: the dims of a head that rope turns (ModelConfig.rotary_dim; the other types read it from hf_config)."""
     if rope_type == "default":
-        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
@@ -17,14 +20,43 @@ def inv_freq_and_scaling(hf_config: PretrainedConfig, rope_type: str, theta: flo
 
 
 def rope_table(inv_freq: torch.Tensor, scaling: float, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [max_pos, head_dim], fp32. Same arithmetic as HF: pos * inv_freq, duplicated halves."""
+    """cos and sin, each [max_pos, rotary_dim], fp32. Same arithmetic as HF: pos * inv_freq, duplicated halves."""
     freqs = torch.arange(max_pos, dtype=torch.float)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
 
 
+def longrope_long_table(hf_config: PretrainedConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """LongRoPE's second table: (cos, sin, original_max_position_embeddings), or None when `max_pos` never passes it.
+
+    transformers builds inv_freq from `short_factor` and swaps in `long_factor` for a forward whose sequence is
+    longer than original_max_position_embeddings (dynamic_rope_update); the attention scaling is the same for both.
+    The model picks a table per token with `longrope_rows`."""
+    original = int(hf_config.rope_parameters["original_max_position_embeddings"])
+    if max_pos <= original:
+        return None
+    fn = ROPE_INIT_FUNCTIONS["longrope"]
+    _, scaling = fn(hf_config, torch.device("cpu"))
+    long_inv_freq, _ = fn(hf_config, torch.device("cpu"), seq_len=original + 1)
+    return (*rope_table(long_inv_freq.float(), float(scaling), max_pos), original)
+
+
+def longrope_rows(positions: torch.Tensor, meta: AttentionMeta, original_max: int) -> torch.Tensor:
+    """[T] bool: which tokens take LongRoPE's long factors. transformers' rule, per request: long when the sequence
+    of its forward is longer than `original_max`; a prompt is one forward there, so every chunk of a chunked prefill
+    goes by the length the whole prefill reaches (meta.fill_lens). Keys already in the cache keep the factors they
+    were computed with, as in transformers' own cache when decoding crosses `original_max`."""
+    if isinstance(meta, ExtendMeta):
+        ends = meta.prefix_lens + meta.extend_lens if meta.fill_lens is None else meta.fill_lens
+        return torch.repeat_interleave(ends > original_max, meta.extend_lens)
+    return positions >= original_max  # decode: the sequence is position + 1 long
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D] already in x's dtype."""
+    """x: [T, heads, D]; cos/sin: [T, R] already in x's dtype, R <= D: partial rotary turns the first R dims only."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

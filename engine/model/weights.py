@@ -15,7 +15,8 @@ from torch import nn
 
 from engine.loader.model_config import ModelConfig
 from engine.model.llama import LINEAR_WEIGHTS, LlamaModel
-from engine.model.rope import inv_freq_and_scaling, rope_table
+from engine.model.moe import ExpertLoader, pack_experts, quantize_experts
+from engine.model.rope import inv_freq_and_scaling, longrope_long_table, rope_table
 from engine.ops.linear import can_pack, pack_linear_weight
 from engine.quant.format import QuantizedTensor, dequantize
 from engine.quant.module import QuantizedWeight, install
@@ -29,6 +30,7 @@ _LAYER_MAP: dict[str, tuple[str, str | None]] = {
     "self_attn.q_proj.weight": ("qkv_proj", "q"),
     "self_attn.k_proj.weight": ("qkv_proj", "k"),
     "self_attn.v_proj.weight": ("qkv_proj", "v"),
+    "self_attn.qkv_proj.weight": ("qkv_proj", None),  # phi3 stores them fused, in our order
     "self_attn.q_proj.bias": ("qkv_bias", "q"),
     "self_attn.k_proj.bias": ("qkv_bias", "k"),
     "self_attn.v_proj.bias": ("qkv_bias", "v"),
@@ -37,6 +39,7 @@ _LAYER_MAP: dict[str, tuple[str, str | None]] = {
     "self_attn.k_norm.weight": ("k_norm", None),
     "mlp.gate_proj.weight": ("gate_up_proj", "gate"),
     "mlp.up_proj.weight": ("gate_up_proj", "up"),
+    "mlp.gate_up_proj.weight": ("gate_up_proj", None),  # phi3
     "mlp.down_proj.weight": ("down_proj", None),
 }
 _TOP_MAP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
@@ -50,9 +53,10 @@ def _shard_range(cfg: ModelConfig, shard: str) -> tuple[int, int]:
 def model_on_meta(cfg: ModelConfig, max_positions: int) -> LlamaModel:
     """The decoder with meta-device parameters (to be filled) and real rope tables."""
     rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
-    cos, sin = rope_table(*inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.head_dim), max_positions)
+    cos, sin = rope_table(*inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.rotary_dim), max_positions)
+    rope_long = longrope_long_table(cfg.hf_config, max_positions) if rope_type == "longrope" else None
     with torch.device("meta"):  # parameters only: the rope tables above are real
-        return LlamaModel(cfg, cos, sin)
+        return LlamaModel(cfg, cos, sin, rope_long)
 
 
 _FUSED_SHARDS: dict[str, tuple[str, ...]] = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
@@ -66,8 +70,11 @@ def build_model(
     quantize: "int8" or "int4" (with `group`) quantizes every dense linear weight (engine/quant/quantize.py)."""
     model = model_on_meta(cfg, max_positions)
     pending: dict[tuple[nn.Module, str], dict[str | None, QuantizedTensor]] = {}
+    experts = ExpertLoader(model, dtype)  # routers and experts of the sparse layers (engine/model/moe.py)
 
     for name, tensor in tensors:
+        if experts.take(name, tensor):
+            continue
         target: tuple[nn.Module, str, str | None] | None = None
         if name in _TOP_MAP:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -95,6 +102,7 @@ def build_model(
 
     for (module, attr), shards in pending.items():
         _place_quantized(cfg, module, attr, shards, dtype)
+    experts.finish()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
@@ -110,7 +118,7 @@ def _place_quantized(cfg: ModelConfig, module: nn.Module, attr: str, shards: dic
     """All shards quantized: install them as one QuantizedWeight (in shard order). A fused weight whose other
     shards came dense (an F16 attn_v beside Q4_K attn_q, say) is served dense: its quantized shards are
     dequantized into it."""
-    order = _FUSED_SHARDS.get(attr, (None,))
+    order = (None,) if None in shards else _FUSED_SHARDS.get(attr, (None,))  # stored fused (phi3) or in shards
     param = getattr(module, attr)
     if isinstance(param, nn.Parameter) and param.is_meta and set(shards) == set(order):
         parts = [shards[s] for s in order]
@@ -137,6 +145,7 @@ def quantize_weights(model: LlamaModel, mode: str, group: int) -> None:
         for attr in LINEAR_WEIGHTS:
             convert(layer, attr, head=False)
     convert(model, "embed_tokens" if model.lm_head is None else "lm_head", head=True)
+    quantize_experts(model, mode, group)
 
 
 
@@ -157,3 +166,4 @@ def pack_weights(model: LlamaModel) -> None:
         for attr in LINEAR_WEIGHTS:
             repack(layer, attr)
     repack(model, "embed_tokens" if model.lm_head is None else "lm_head")
+    pack_experts(model)
