@@ -30,7 +30,7 @@ CACHE_SIZE = 256
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _lark_string(text: str) -> str:
+def lark_string(text: str) -> str:
     """A Lark string literal matching exactly `text` (Lark takes JSON-style escapes)."""
     return json.dumps(text)
 
@@ -90,7 +90,7 @@ class GrammarCompiler:
                 return llguidance.LLMatcher.grammar_from_regex(spec.source)
             if spec.kind == "choice":
                 options = json.loads(spec.source)
-                return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_string, options)))
+                return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(lark_string, options)))
             if spec.kind == "lark":
                 return llguidance.LLMatcher.grammar_from_lark(spec.source)
             if spec.kind == "ebnf":  # GBNF, llama.cpp's and SGLang's EBNF dialect

@@ -12,6 +12,7 @@ looks, so a field someone implements (declares on the model) stops being refused
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from pydantic import BaseModel
 
 from server.api.errors import APIError
 
+log = logging.getLogger("ember.server")
 Endpoint = Literal["chat", "completions", "generate"]
 Neutral = Callable[[Any, BaseModel], bool]  # (value, whole request body) -> True: asks for nothing Ember lacks
 
@@ -272,6 +274,13 @@ def check_request_fields(body: BaseModel, endpoint: Endpoint) -> list[str]:
     unknown += in_messages  # once each, in order of appearance
     shown = [_shown(name) for name in unknown[:MAX_SHOWN_NAMES]]
     return shown + ([f"... ({len(unknown) - MAX_SHOWN_NAMES} more)"] if len(unknown) > MAX_SHOWN_NAMES else [])
+
+
+def check_and_log_request_fields(body: BaseModel, endpoint: Endpoint) -> None:
+    """What each route calls first: `check_request_fields`, and one warning line naming the ignored fields."""
+    ignored = check_request_fields(body, endpoint)
+    if ignored:
+        log.warning("%s request: ignored unknown fields %s", endpoint, ", ".join(ignored))
 
 
 def _endpoints_text(endpoints: frozenset[Endpoint]) -> str:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from dataclasses import replace
 
@@ -25,30 +24,27 @@ from server.api.protocol import (
     FunctionCallOut,
     ToolCallOut,
 )
-from server.api.request_fields import check_request_fields
+from server.api.request_fields import check_and_log_request_fields
 from server.api.routes_openai import collect, streams
 from server.api.sse import HEADERS, EventStreamResponse
 from server.api.state import ServerState
 from server.api.structured import compile_grammar, request_grammar
 
-log = logging.getLogger("ember.server")
 router = APIRouter()
 
 
 async def _plan(state: ServerState, body: ChatCompletionRequest) -> ToolPlan:
-    # On the grammar thread: the first forced tool call builds the grammar tokenizer (~0.5 s).
-    tok = state.core.tokenizer
-    return await asyncio.get_running_loop().run_in_executor(
-        state.grammar_pool, plan_tools, body, tok.chat_template, state.settings.tool_call_parser,
-        state.core.grammars)
+    args = (body, state.core.tokenizer.chat_template, state.settings.tool_call_parser, state.core.grammars)
+    if not body.tools:  # no tool work at all: no hop to another thread on the common path
+        return plan_tools(*args)
+    # On the grammar thread: the first request with tools builds the grammar tokenizer (~0.5 s).
+    return await asyncio.get_running_loop().run_in_executor(state.grammar_pool, plan_tools, *args)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
     state = get_state(request)
-    ignored = check_request_fields(body, "chat")
-    if ignored:
-        log.warning("chat completion: ignored unknown fields %s", ", ".join(ignored))
+    check_and_log_request_fields(body, "chat")
     check_model(state, body.model)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")

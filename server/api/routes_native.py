@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
@@ -28,12 +27,11 @@ from server.api.protocol_native import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.api.request_fields import check_request_fields
+from server.api.request_fields import check_and_log_request_fields
 from server.api.sse import DONE, HEADERS, EventStreamResponse, error_event
 from server.api.state import ServerState
 from server.api.structured import compile_grammar, native_grammar
 
-log = logging.getLogger("ember.server")
 router = APIRouter()
 
 
@@ -74,9 +72,7 @@ def _result(rid: str, prompt_tokens: int, r: ChoiceResult, ids: list[int], logpr
 @router.post("/generate", response_model=None)
 async def native_generate(body: GenerateRequest, request: Request) -> Response:
     state = get_state(request)
-    ignored = check_request_fields(body, "generate")
-    if ignored:
-        log.warning("generate: ignored unknown fields %s", ", ".join(ignored))
+    check_and_log_request_fields(body, "generate")
     sp = body.sampling_params
     grammar = native_grammar(sp.json_schema, sp.regex, sp.ebnf)
     params = _params(sp, body, state.settings.max_n, grammar)

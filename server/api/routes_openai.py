@@ -1,7 +1,6 @@
 """OpenAI-compatible legacy completions: POST /v1/completions (chat lives in routes_chat.py)."""
 from __future__ import annotations
 
-import logging
 import uuid
 from contextlib import aclosing
 
@@ -20,12 +19,11 @@ from server.api.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from server.api.request_fields import check_request_fields
+from server.api.request_fields import check_and_log_request_fields
 from server.api.sse import HEADERS, EventStreamResponse
 from server.api.structured import compile_grammar, request_grammar
 from server.api.state import ServerState
 
-log = logging.getLogger("ember.server")
 router = APIRouter()
 
 
@@ -47,9 +45,7 @@ async def collect(outputs: TaggedOutputs, n: int, choices: int) -> list[ChoiceRe
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
     state = get_state(request)
-    ignored = check_request_fields(body, "completions")
-    if ignored:
-        log.warning("completion: ignored unknown fields %s", ", ".join(ignored))
+    check_and_log_request_fields(body, "completions")
     check_model(state, body.model)
     grammar = request_grammar(body)
     params = sampling_params(body, body.max_tokens, logprobs=body.logprobs is not None,

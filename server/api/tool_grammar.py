@@ -12,12 +12,12 @@ from typing import Any
 
 import llguidance
 
+from engine.grammar.compiler import JSON_OPTIONS, lark_string
 from server.api.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
 
-# Fixed separators, no free whitespace: a small model let loose between JSON tokens can emit spaces or newlines
-# until max_tokens. These are json.dumps' defaults, which most JSON in training data (and render_tool_calls) has.
-# llguidance reads "x-guidance" only at the top of a schema, so each %json block carries it.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON_OPTIONS: the structured-output JSON form (fixed separators, no free whitespace; see the compiler), which
+# render_tool_calls writes too. llguidance reads "x-guidance" only at the top of a schema, so each %json block
+# carries it.
 
 # The markers of each format that a tokenizer may hold as single special tokens (see special_markers).
 MARKERS: dict[str, tuple[str, ...]] = {
@@ -37,11 +37,6 @@ def special_markers(tokenizer: llguidance.LLTokenizer, markers: Iterable[str]) -
         if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
             out[marker] = ids[0]
     return out
-
-
-def _lit(text: str) -> str:
-    """A Lark string literal matching exactly `text` (llguidance's Lark reads JSON string escapes)."""
-    return json.dumps(text)
 
 
 def _envelope(name: str, key: str) -> str:
@@ -86,14 +81,14 @@ def tool_call_grammar(parser_name: str, functions: list[dict[str, Any]], paralle
     ids = markers or {}
 
     def mark(text: str) -> str:  # special tokens are referred to by id: `<[id]>`
-        return f"<[{ids[text]}]>" if text in ids else _lit(text)
+        return f"<[{ids[text]}]>" if text in ids else lark_string(text)
 
     rules: list[str] = []
     options = {**JSON_OPTIONS, "lenient": True} if lenient else JSON_OPTIONS
     args = [f"args{i}: %json {json.dumps({**params, 'x-guidance': options})}" for i, (_, params) in enumerate(checked)]
 
     def objects(key: str) -> None:  # rule fn: `{"name": "f", "<key>": <args>}` for any of the functions
-        rules.extend(f'fn{i}: {_lit(_envelope(name, key))} args{i} "}}"' for i, (name, _) in enumerate(checked))
+        rules.extend(f'fn{i}: {lark_string(_envelope(name, key))} args{i} "}}"' for i, (name, _) in enumerate(checked))
         rules.append("fn: " + " | ".join(f"fn{i}" for i in range(len(checked))))
 
     if parser_name == HermesParser.name:
@@ -107,7 +102,7 @@ def tool_call_grammar(parser_name: str, functions: list[dict[str, Any]], paralle
         for i, (name, _) in enumerate(checked):
             if not MistralParser.NAME.fullmatch(name):  # what the parser reads back before [ARGS]
                 raise ValueError(f"function {name!r}: mistral's [ARGS] form takes names of letters, digits, _ . -")
-            rules.append(f"fn{i}: {mark(MistralParser.OPEN)} {_lit(name)} {mark(MistralParser.ARGS)} args{i}")
+            rules.append(f"fn{i}: {mark(MistralParser.OPEN)} {lark_string(name)} {mark(MistralParser.ARGS)} args{i}")
         rules.append("call: " + " | ".join(f"fn{i}" for i in range(len(checked))))
         start = "call+" if parallel else "call"
     else:  # v3; its tokenizer writes the array after a space (SentencePiece's word prefix), so allow one
