@@ -28,7 +28,7 @@ from engine.model.weights import build_model, model_on_meta
 from engine.ops.linear import can_pack
 from engine.ops.native import describe_tiers
 from engine.quant.module import describe_weights
-from engine.pools import KVPool, ReqToTokenPool
+from engine.pools import KVPool, ReqToTokenPool, WindowKVPool
 
 log = logging.getLogger("ember.runner")
 
@@ -68,12 +68,14 @@ class DecodeStepModule(nn.Module):
         return self.model(input_ids, positions, meta, k_caches, v_caches)
 
 
-def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int) -> int:
-    per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int, pool_layers: int, ring_bytes: int = 0) -> int:
+    """Slots of the token pool, whose `pool_layers` layers share the memory budget with the window rings' fixed
+    `ring_bytes` (engine/pools.py WindowKVPool)."""
+    per_slot = KVPool.bytes_per_slot(pool_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
     if config.max_total_tokens is not None:
         return config.max_total_tokens
-    budget = psutil.virtual_memory().available * config.mem_fraction
-    slots = min(int(budget // per_slot), config.max_running_requests * max_context)
+    budget = psutil.virtual_memory().available * config.mem_fraction - ring_bytes
+    slots = min(int(max(budget, 0) // max(per_slot, 1)), config.max_running_requests * max_context)
     if slots < max_context:
         need = max_context * per_slot / 2**30
         raise KVMemoryError(
@@ -100,18 +102,40 @@ class ModelRunner:
         log.info("loaded %s from %s (%s, %s) in %.1f s", mc.name, source, mc.architecture,
                  describe_weights(self.model, config.dtype), time.perf_counter() - t0)
         log.info("%s", describe_tiers())
-        num_slots = size_kv_pool(config, mc, self.max_context)
-        self.req_pool = ReqToTokenPool(config.max_running_requests, self.max_context)
-        self.kv_pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
-        per_slot = KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
-        log.info("KV pool: %d slots (%.2f GiB), max context %d, max running requests %d", num_slots,
-                 num_slots * per_slot / 2**30, self.max_context, config.max_running_requests)
+        self._make_pools(config, mc)
         self.graphs = DecodeGraphs(DecodeStepModule(self.model), config.buckets, not config.disable_compile,
                                    config.cpp_wrapper, artifact_dir=self._decode_artifact_dir())
         log.info("decode buckets %s (%s)", list(self.graphs.buckets),
                  "eager" if config.disable_compile else "compiling, largest first")
-        self.graphs.capture(self.req_pool.table, self.kv_pool.k, self.kv_pool.v, on_bucket,
+        self.graphs.capture(self.req_pool.table, self.k_caches, self.v_caches, on_bucket,
                             background=config.background_compile)
+
+    def _make_pools(self, config: EngineConfig, mc: ModelConfig) -> None:
+        """The request table, the token pool of the full-attention layers and, when the model has sliding-window
+        layers whose window is shorter than the context, their rings; k_caches/v_caches list one buffer per layer."""
+        dtype, rows = config.torch_dtype, config.max_running_requests
+        windowed = sorted(mc.window_layers) if getattr(self.model, "needs_rings", False) else []
+        full = [i for i in range(mc.num_layers) if i not in windowed]
+        ring_bytes = WindowKVPool.bytes_for(rows, mc.sliding_window, len(windowed), mc.num_kv_heads, mc.head_dim,
+                                            dtype) if windowed else 0
+        num_slots = size_kv_pool(config, mc, self.max_context, len(full), ring_bytes)
+        self.req_pool = ReqToTokenPool(rows, self.max_context)
+        self.kv_pool = KVPool(num_slots, len(full), mc.num_kv_heads, mc.head_dim, dtype)
+        self.window_pool = None
+        layers_k, layers_v = dict(zip(full, self.kv_pool.k)), dict(zip(full, self.kv_pool.v))
+        if windowed:
+            self.window_pool = WindowKVPool(rows, mc.sliding_window, len(windowed), mc.num_kv_heads, mc.head_dim, dtype)
+            layers_k.update(zip(windowed, self.window_pool.k))
+            layers_v.update(zip(windowed, self.window_pool.v))
+            self.model.use_rings(self.window_pool.table)
+        self.k_caches = [layers_k[i] for i in range(mc.num_layers)]
+        self.v_caches = [layers_v[i] for i in range(mc.num_layers)]
+        per_slot = KVPool.bytes_per_slot(len(full), mc.num_kv_heads, mc.head_dim, dtype)
+        log.info("KV pool: %d slots (%.2f GiB) for %d layers, max context %d, max running requests %d", num_slots,
+                 num_slots * per_slot / 2**30, len(full), self.max_context, rows)
+        if windowed:
+            log.info("sliding-window KV: %d layers keep the last %d positions per request, %d rings (%.2f GiB)",
+                     len(windowed), mc.sliding_window, rows, ring_bytes / 2**30)
 
     def _decode_artifact_dir(self) -> Path | None:
         """Where the saved decode steps live: a folder named after everything a compiled step depends on (torch,
@@ -121,7 +145,7 @@ class ModelRunner:
         cfg, mc = self.config, self.model_config
         parts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), repr(mc), cfg.dtype, cfg.cpp_wrapper,
                  self.weights_tag,
-                 tuple(self.kv_pool.k[0].shape), len(self.kv_pool.k), tuple(self.req_pool.table.shape)]
+                 [tuple(k.shape) for k in self.k_caches], tuple(self.req_pool.table.shape)]
         digest = hashlib.sha256(repr(parts).encode())
         root = Path(__file__).resolve().parent.parent
         for src in sorted(p for pattern in GRAPH_SOURCES for p in root.glob(pattern)):
@@ -164,13 +188,13 @@ class ModelRunner:
             extend_lens=torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64),
             fill_lens=torch.tensor([max(c.fill_len, c.prefix_len + len(c.token_ids)) for c in chunks]),
         )
-        return self.model(torch.tensor(ids, dtype=torch.int64), torch.cat(positions), meta, self.kv_pool.k,
-                          self.kv_pool.v, logit_rows=torch.tensor(last_rows, dtype=torch.int64))
+        return self.model(torch.tensor(ids, dtype=torch.int64), torch.cat(positions), meta, self.k_caches,
+                          self.v_caches, logit_rows=torch.tensor(last_rows, dtype=torch.int64))
 
     @torch.no_grad()
     def decode(self, req_rows: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
                out_slots: torch.Tensor) -> torch.Tensor:
         """One decode step: token `input_ids[i]` sits at `positions[i]` of request row `req_rows[i]`."""
         self.req_pool.table[req_rows, positions] = out_slots.to(torch.int32)
-        return self.graphs.run(input_ids, positions, req_rows, out_slots, self.req_pool.table, self.kv_pool.k,
-                               self.kv_pool.v)
+        return self.graphs.run(input_ids, positions, req_rows, out_slots, self.req_pool.table, self.k_caches,
+                               self.v_caches)

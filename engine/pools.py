@@ -88,3 +88,34 @@ class KVPool:
             raise RuntimeError("KV slots freed twice or never allocated")
         self._in_use[slots] = False
         self._free = torch.cat([self._free, slots.to(torch.int64)])
+
+
+class WindowKVPool:
+    """K/V of the sliding-window layers: a ring of `window` slots per request row, one buffer per window layer.
+
+    A window layer at position p sees positions (p - window, p] only, so a request never needs more than `window` of
+    its K/V there: position p lives in ring entry p % window of its row, and writing p overwrites p - window, the
+    first position no later query sees. Row r owns slots (r - 1) * window + 1 .. r * window of every buffer, fixed
+    for the row's life, so there is nothing to allocate or free: admission needs no window headroom, and a finished or
+    retracted request's ring is simply overwritten by the row's next owner. Row 0 (padding) maps to slot 0.
+    Attention is order-free once K carries its rope, so a ring read in entry order is as good as one in position order
+    (engine/model/window.py).
+    """
+
+    def __init__(self, rows: int, window: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.rows, self.window = rows, window
+        entries = torch.arange(window, dtype=torch.int32)
+        self.table = torch.zeros(rows + 1, window, dtype=torch.int32)  # (row, position % window) -> slot
+        for r in range(1, rows + 1):
+            self.table[r] = (r - 1) * window + 1 + entries
+        shape = (rows * window + 1, kv_heads, head_dim)
+        # empty(), as KVPool: the ring entries a request has not written yet are never attended to (the reference
+        # decode attention masks their values too), so their pages need not be touched before use.
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        for t in (*self.k, *self.v):
+            t[0].zero_()
+
+    @staticmethod
+    def bytes_for(rows: int, window: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return (rows * window + 1) * KVPool.bytes_per_slot(num_layers, kv_heads, head_dim, dtype)

@@ -64,7 +64,10 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, results: ResultProcessor, config: EngineConfig) -> None:
         self.runner, self.results, self.config = runner, results, config
         self.req_pool = runner.req_pool
-        self.kvm = KVManager(runner.kv_pool, self.req_pool, prefix_cache=not config.disable_prefix_cache)
+        # Sliding-window layers keep only each request's last window of K/V (engine/pools.py WindowKVPool), so a
+        # cached prefix would lack their part of it: such models recompute every prompt (README, "Sliding windows").
+        prefix_cache = not config.disable_prefix_cache and runner.window_pool is None
+        self.kvm = KVManager(runner.kv_pool, self.req_pool, prefix_cache=prefix_cache)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted; prompt (or recompute) partly in the cache
         self.running: list[Request] = []  # decode batch, in admission order

@@ -22,6 +22,7 @@ from engine.loader.gguf_phi3 import (
     phi3_end_of_turn_ids,
     phi3_q_rows,
 )
+from engine.loader.gguf_gemma3 import GEMMA3_BLOCK_NAMES, fix_gemma3_config, gemma3_norm_offset
 from engine.loader.gguf_moe import is_moe_tensor, moe_gguf_config, moe_tensors
 from engine.loader.model_config import ModelConfig, UnsupportedModelError, model_config_from_hf
 from engine.quant.format import QuantizedTensor
@@ -30,7 +31,8 @@ from engine.quant.gguf_repack import SUPPORTED_GGUF_TYPES, repack
 log = logging.getLogger("ember.loader")
 
 # GGUF `general.architecture` values we read. llama.cpp writes Mistral models as "llama".
-GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe")  # Mixtral: llama with experts
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", "gemma3")  # Mixtral: llama with
+# experts
 # llama.cpp's converter permutes the rows of Q and K for these (see _unpermute_rope_rows).
 _PERMUTED_QK_ARCHITECTURES: tuple[str, ...] = ("llama",)
 _ROPE_FREQS = "rope_freqs.weight"
@@ -80,7 +82,9 @@ def read_gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
         fix_phi3_config(reader, cfg)
     # 2. rope scaling.
     scaling = _rope_scaling(reader, arch, cfg)
-    if scaling is not None:
+    if arch == "gemma3":  # per-layer-type rope, layer types, query scale (engine/loader/gguf_gemma3.py)
+        fix_gemma3_config(reader, cfg, scaling)
+    elif scaling is not None:
         cfg.rope_parameters = {**cfg.rope_parameters, **scaling}
     eos = [_metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     if arch == "phi3":
@@ -139,6 +143,8 @@ def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, keep_quantized: b
         if values.dtype != np.float32 or not values.flags.writeable:
             values = values.astype(np.float32)
         tensor = torch.from_numpy(values)
+        if arch == "gemma3" and (offset := gemma3_norm_offset(hf_name)):
+            tensor = tensor + offset  # stored as 1 + w (engine/loader/gguf_gemma3.py)
         if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = _unpermute_rope_rows(tensor, config.num_heads)
         elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -156,6 +162,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     m = _BLOCK_RE.fullmatch(gguf_name)
     if arch == "phi3" and m is not None and m[2] in PHI3_BLOCK_NAMES:
         return f"model.layers.{m[1]}.{PHI3_BLOCK_NAMES[m[2]]}.{m[3]}"
+    if arch == "gemma3" and m is not None and m[2] in GEMMA3_BLOCK_NAMES:
+        return f"model.layers.{m[1]}.{GEMMA3_BLOCK_NAMES[m[2]]}.{m[3]}"
     if m is None or m[2] not in _BLOCK_NAMES:
         raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no HF counterpart in the supported models")
     return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"

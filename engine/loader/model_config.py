@@ -7,7 +7,11 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from engine.loader.errors import UnsupportedModelError
+from engine.loader.gemma_config import gemma_fields, gemma_rope
 from engine.loader.moe_config import moe_fields
+
+__all__ = ["ModelConfig", "UnsupportedModelError", "model_config_from_hf", "SUPPORTED_ARCHITECTURES"]
 
 # HF `architectures` value -> our architecture name. The order is the one error messages list.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -18,20 +22,18 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3_moe",  # mixture of experts: engine/model/moe.py
     "MixtralForCausalLM": "mixtral",
+    "Gemma3ForCausalLM": "gemma3",  # text-only checkpoints (270M, 1B); sliding-window layers: engine/model/window.py
 }
 # Configs built from a GGUF file carry no `architectures`, only `model_type`.
-_MODEL_TYPES: dict[str, str] = {arch: hf for hf, arch in SUPPORTED_ARCHITECTURES.items()}
+_MODEL_TYPES: dict[str, str] = {arch: hf for hf, arch in SUPPORTED_ARCHITECTURES.items()} | {
+    "gemma3_text": "Gemma3ForCausalLM"}
 # Rope variants the engine implements; anything else would load and then silently compute wrong positions.
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "longrope")
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint is readable but describes a model the engine cannot run."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3 | qwen3_moe | mixtral
+    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3 | qwen3_moe | mixtral | gemma3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,6 +63,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the routed experts; the others stay dense
+    # Sliding-window attention (Gemma 3): the layers in `window_layers` see the last `sliding_window` positions
+    # (their own included) and keep only those in the KV cache (engine/model/window.py); the others see everything.
+    sliding_window: int = 0
+    window_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0  # rope base of the window layers when it differs from rope_theta (Gemma 3)
+    query_scale: float = 0.0  # attention's score scale; 0: head_dim ** -0.5
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
 
     @property
     def q_size(self) -> int:
@@ -84,11 +93,12 @@ def model_config_from_hf(
     Raises UnsupportedModelError for architectures, activations or rope variants the engine does not run.
     """
     architecture = _architecture(cfg)
-    if getattr(cfg, "hidden_act", "silu") != "silu":
+    gemma = architecture == "gemma3"
+    if not gemma and getattr(cfg, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
     if getattr(cfg, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=True is not supported")
-    rope_theta, rope_scaling = _rope(cfg)
+    rope_theta, rope_scaling = gemma_rope(cfg)[:2] if gemma else _rope(cfg)
     num_heads = int(cfg.num_attention_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     return ModelConfig(
@@ -103,16 +113,17 @@ def model_config_from_hf(
         rms_norm_eps=float(cfg.rms_norm_eps),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=_max_positions(cfg),
+        max_position_embeddings=int(cfg.max_position_embeddings) if gemma else _max_positions(cfg),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         attention_bias=architecture == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-        qk_norm=architecture in ("qwen3", "qwen3_moe"),
+        qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3"),
         eos_token_ids=_unique_ids(_as_ids(getattr(cfg, "eos_token_id", None)) + tuple(extra_eos_token_ids)),
         bos_token_id=getattr(cfg, "bos_token_id", None),
         name=name,
         hf_config=cfg,
         partial_rotary_factor=_partial_rotary_factor(cfg),
         **moe_fields(cfg, architecture),
+        **(gemma_fields(cfg) if gemma else {}),
     )
 
 

@@ -56,8 +56,9 @@ class PreparedModel:
         if not meta.is_file():
             return None
         fields = json.loads(meta.read_text())
-        fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-        fields["moe_layers"] = tuple(fields.get("moe_layers", ()))
+        for name in ("eos_token_ids", "moe_layers", "window_layers"):  # tuples in ModelConfig, lists in JSON
+            if name in fields:
+                fields[name] = tuple(fields[name])
         # The HF config object only serves rope types other than the default (engine/model/rope.py); parsing it
         # imports transformers' model-config modules, which import dynamo: ~1 s of a short `ember generate`.
         rope_type = (fields.get("rope_scaling") or {}).get("rope_type", "default")

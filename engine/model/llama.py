@@ -97,7 +97,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i in cfg.moe_layers) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.register_buffer("rope_cos", rope_cos, persistent=False)
@@ -105,6 +105,10 @@ class LlamaModel(nn.Module):
         self.rope_long_after = None if rope_long is None else rope_long[2]
         self.register_buffer("rope_cos_long", None if rope_long is None else rope_long[0], persistent=False)
         self.register_buffer("rope_sin_long", None if rope_long is None else rope_long[1], persistent=False)
+
+    @staticmethod
+    def make_layer(cfg: ModelConfig, index: int) -> nn.Module:
+        return DecoderLayer(cfg, index in cfg.moe_layers)
 
     @property
     def packed(self) -> bool:
@@ -137,7 +141,10 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, meta, k_cache, v_cache)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return self.logits(rms_norm(x, self.norm, self.cfg.rms_norm_eps))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, V] of final-normed hidden states."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, QuantizedWeight) or head.dim() != 2:  # packed, or quantized (engine/quant/)
             return linear(x, head, self.cfg.vocab_size).float()

@@ -8,14 +8,17 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.model.attention_meta import AttentionMeta, ExtendMeta
 
 
-def inv_freq_and_scaling(hf_config: PretrainedConfig, rope_type: str, theta: float, rotary_dim: int) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scaling(hf_config: PretrainedConfig, rope_type: str, theta: float, rotary_dim: int,
+                         layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """inv_freq computed exactly as transformers does, so fp32 parity holds for every rope type it knows.
-    rotary_dim: the dims of a head that rope turns (ModelConfig.rotary_dim; the other types read it from hf_config)."""
+    rotary_dim: the dims of a head that rope turns (ModelConfig.rotary_dim; the other types read it from hf_config).
+    layer_type: the key of a per-layer-type rope dict (Gemma 3's "full_attention")."""
     if rope_type == "default":
         return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 
 

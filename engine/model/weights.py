@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.loader.model_config import ModelConfig
+from engine.model.gemma3 import Gemma3Model
 from engine.model.llama import LINEAR_WEIGHTS, LlamaModel
 from engine.model.moe import ExpertLoader, pack_experts, quantize_experts
 from engine.model.rope import inv_freq_and_scaling, longrope_long_table, rope_table
@@ -41,6 +42,8 @@ _LAYER_MAP: dict[str, tuple[str, str | None]] = {
     "mlp.up_proj.weight": ("gate_up_proj", "up"),
     "mlp.gate_up_proj.weight": ("gate_up_proj", None),  # phi3
     "mlp.down_proj.weight": ("down_proj", None),
+    "pre_feedforward_layernorm.weight": ("pre_feedforward_layernorm", None),  # gemma3
+    "post_feedforward_layernorm.weight": ("post_feedforward_layernorm", None),
 }
 _TOP_MAP = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
 
@@ -53,7 +56,15 @@ def _shard_range(cfg: ModelConfig, shard: str) -> tuple[int, int]:
 def model_on_meta(cfg: ModelConfig, max_positions: int) -> LlamaModel:
     """The decoder with meta-device parameters (to be filled) and real rope tables."""
     rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
-    cos, sin = rope_table(*inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.rotary_dim), max_positions)
+    layer_type = "full_attention" if cfg.architecture == "gemma3" else None  # its rope dict is per layer type
+    cos, sin = rope_table(*inv_freq_and_scaling(cfg.hf_config, rope_type, cfg.rope_theta, cfg.rotary_dim, layer_type),
+                          max_positions)
+    if cfg.architecture == "gemma3":
+        local = rope_table(*inv_freq_and_scaling(cfg.hf_config, "default", cfg.local_rope_theta, cfg.rotary_dim),
+                           max_positions)
+        embed_scale = torch.tensor(cfg.hidden_size**0.5)
+        with torch.device("meta"):
+            return Gemma3Model(cfg, cos, sin, *local, embed_scale)
     rope_long = longrope_long_table(cfg.hf_config, max_positions) if rope_type == "longrope" else None
     with torch.device("meta"):  # parameters only: the rope tables above are real
         return LlamaModel(cfg, cos, sin, rope_long)
@@ -82,7 +93,8 @@ def build_model(
             target = (model, _TOP_MAP[name], None)
         elif (m := _LAYER.fullmatch(name)) and m.group(2) in _LAYER_MAP:
             attr, shard = _LAYER_MAP[m.group(2)]
-            target = (model.layers[int(m.group(1))], attr, shard)
+            if hasattr(model.layers[int(m.group(1))], attr):  # (gemma3's extra norms exist in its layers only)
+                target = (model.layers[int(m.group(1))], attr, shard)
         elif name.endswith("rotary_emb.inv_freq"):
             continue
         if target is None:

@@ -35,11 +35,13 @@ def reference_decode_attention(
     max_len = int(seq_lens.max())
     slots = req_to_token.index_select(0, req_rows)[:, :max_len].to(torch.int64)  # [B, L]
     # Gather straight into [B, KVH, L, D] so both products below are plain batched matmuls.
+    pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # [B, L]
     keys = k_cache[slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
-    values = v_cache[slots].permute(0, 2, 1, 3)
+    # Entries past a row's length may never have been written (a sliding-window ring, engine/pools.py): zero their
+    # values, or an uninitialised NaN would survive its zero probability.
+    values = v_cache[slots].masked_fill(pad[:, :, None, None], 0).permute(0, 2, 1, 3)
     qg = q.view(bsz, kv_heads, heads // kv_heads, dim)  # GQA: query groups share one KV head
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
-    pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # [B, L]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [B, KVH, G, D]

@@ -1,0 +1,71 @@
+"""Prefill attention of a sliding-window layer over its per-request ring (engine/pools.py WindowKVPool).
+
+A query at position p sees keys at (p - window, p]. A chunk of new tokens at [P, P + n) therefore needs the ring's
+last min(P, window - 1) cached positions plus the chunk itself; those are gathered first, because writing the chunk
+into the ring overwrites positions its own early queries still see. Long chunks run in query blocks of `window`, each
+against at most 2 * window - 1 keys, so a prompt costs O(n * window), not O(n^2): the window saves time as well as
+memory. Eager only, like extend_attention (engine/ops/attention.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def window_extend_attention(
+    q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    k_ring: torch.Tensor,  # [rows * window + 1, KVH, D] for ONE layer
+    v_ring: torch.Tensor,
+    ring_table: torch.Tensor,  # [rows + 1, window] int32: (request row, position % window) -> ring slot
+    req_rows: torch.Tensor,  # [N] int64
+    prefix_lens: torch.Tensor,  # [N] int64: tokens already computed before this chunk
+    extend_lens: torch.Tensor,  # [N] int64
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+        kn, vn = k[start : start + ext], v[start : start + ext]
+        old = min(prefix, window - 1)  # cached positions the chunk's first query still sees
+        keys, values = kn, vn
+        if old:
+            cached = ring_table[row, torch.arange(prefix - old, prefix) % window].to(torch.int64)
+            keys, values = torch.cat([k_ring[cached], kn]), torch.cat([v_ring[cached], vn])
+        qs = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
+        if not old and ext <= window:
+            # The whole window is visible: plain causal attention, SDPA's flash path (see extend_attention).
+            group = heads // kv_heads
+            kh = keys.transpose(0, 1).repeat_interleave(group, dim=0)
+            vh = values.transpose(0, 1).repeat_interleave(group, dim=0)
+            o = F.scaled_dot_product_attention(qs[None], kh[None], vh[None], is_causal=True, scale=scale)[0]
+        else:
+            o = _banded(qs, keys.transpose(0, 1), values.transpose(0, 1), old, window, scale, heads != kv_heads)
+        out[start : start + ext] = o.transpose(0, 1)
+        keep = min(ext, window)  # the ring keeps the chunk's last `window` positions
+        slots = ring_table[row, torch.arange(prefix + ext - keep, prefix + ext) % window].to(torch.int64)
+        k_ring.index_copy_(0, slots, kn[ext - keep :])
+        v_ring.index_copy_(0, slots, vn[ext - keep :])
+        start += ext
+    return out
+
+
+def _banded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, old: int, window: int, scale: float,
+            gqa: bool) -> torch.Tensor:
+    """q [H, n, D] at positions P..P+n-1; keys/values [KVH, old + n, D] at P-old..P+n-1. Query i sees key j iff
+    i + old - window < j <= i + old."""
+    n = q.shape[1]
+    out = torch.empty_like(q)
+    for b0 in range(0, n, window):
+        b1 = min(n, b0 + window)
+        k0, k1 = max(0, b0 + old - window + 1), b1 + old
+        qi = torch.arange(b0, b1)[:, None] + old
+        kj = torch.arange(k0, k1)[None, :]
+        mask = (kj <= qi) & (kj > qi - window)
+        out[:, b0:b1] = F.scaled_dot_product_attention(
+            q[None, :, b0:b1], keys[None, :, k0:k1], values[None, :, k0:k1], attn_mask=mask, scale=scale, enable_gqa=gqa
+        )[0]
+    return out
