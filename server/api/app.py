@@ -73,7 +73,8 @@ def create_app(config: EngineConfig, settings: ServerSettings, on_exit: ExitHook
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with engine_lifetime(config) as engine:
-            state = ServerState(engine, settings, ServerMetrics(lambda: engine.core if engine.ready else None))
+            state = ServerState(engine, settings, ServerMetrics(lambda: engine.core if engine.ready else None,
+                                                                settings.metrics_compat))
             app.state.server = state
             ready_task = asyncio.create_task(_announce_ready(state, exit_hook))
             try:

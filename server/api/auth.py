@@ -1,4 +1,5 @@
-"""API key check (`--api-key` / EMBER_API_KEY) for every route but the probes /health and /metrics.
+"""API key check (`--api-key` / EMBER_API_KEY) for every route but the probes /health, /metrics and /v1/loads
+(which carries the numbers /metrics already shows, for routers that poll it).
 
 Accepts `Authorization: Bearer KEY` (what OpenAI clients send) or `x-api-key: KEY`. Compared with
 `secrets.compare_digest` so the time taken does not reveal how much of a guessed key was right.
@@ -11,7 +12,7 @@ from fastapi import Request
 
 from server.api.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/v1/loads"})
 
 
 def _presented_key(request: Request) -> str | None:

@@ -6,6 +6,11 @@ the outputs it receives (`observe_output`, `observe_finished`).
 
 Reading the engine's counters from the event loop while the engine thread updates them is safe for what we
 read: `len()` of lists and deques, ints, and dicts whose keys are fixed at start-up.
+
+`--metrics-compat vllm` adds three gauges under vLLM's names with the same values as Ember's own, for tools that
+know only those: the Gateway API Inference Extension's endpoint picker reads `vllm:num_requests_waiting`,
+`vllm:num_requests_running` and `vllm:kv_cache_usage_perc` (0-1) unless configured otherwise. They are not on
+by default: two names for one gauge double every dashboard query that matches on the metric name alone.
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class EngineCollector(Collector):
     """Engine state at scrape time; yields nothing until the engine is ready."""
 
-    def __init__(self, core: Callable[[], EngineCore | None]) -> None:
+    def __init__(self, core: Callable[[], EngineCore | None], compat: str | None = None) -> None:
         self._core = core
+        self._vllm = compat == "vllm"
 
     def describe(self) -> list[Metric]:
         return []  # registering must not trigger a collect before the engine exists
@@ -41,13 +47,17 @@ class EngineCollector(Collector):
             return
         sched, kv, graphs = core.scheduler, core.runner.kv_pool, core.runner.graphs
         stats = sched.stats
-        yield _gauge("ember:num_requests_running", "Requests in the batch (prefilling or decoding).",
-                     len(sched.running) + len(sched.prefilling))
-        yield _gauge("ember:num_requests_waiting", "Requests queued for admission.", len(sched.waiting))
+        running, waiting = len(sched.running) + len(sched.prefilling), len(sched.waiting)
+        yield _gauge("ember:num_requests_running", "Requests in the batch (prefilling or decoding).", running)
+        yield _gauge("ember:num_requests_waiting", "Requests queued for admission.", waiting)
         kvm = sched.kvm
         used = kvm.held_slots()  # prefix-cache entries nobody holds are free space: evicted on demand
-        yield _gauge("ember:kv_pool_usage_perc", "Fraction of KV pool slots held by admitted requests (0-1).",
-                     used / max(kv.num_slots, 1))
+        usage = used / max(kv.num_slots, 1)
+        yield _gauge("ember:kv_pool_usage_perc", "Fraction of KV pool slots held by admitted requests (0-1).", usage)
+        if self._vllm:
+            yield _gauge("vllm:num_requests_running", "ember:num_requests_running under vLLM's name.", running)
+            yield _gauge("vllm:num_requests_waiting", "ember:num_requests_waiting under vLLM's name.", waiting)
+            yield _gauge("vllm:kv_cache_usage_perc", "ember:kv_pool_usage_perc under vLLM's name (0-1).", usage)
         yield _gauge("ember:kv_pool_used_slots", "KV pool slots (tokens) held by admitted requests.", used)
         yield _gauge("ember:kv_pool_total_slots", "KV pool size in slots (tokens).", kv.num_slots)
         yield _gauge("ember:prefix_cache_slots", "KV slots holding prefix-cache entries (shared ones included).",
@@ -92,9 +102,9 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class ServerMetrics:
-    def __init__(self, core: Callable[[], EngineCore | None]) -> None:
+    def __init__(self, core: Callable[[], EngineCore | None], compat: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(core))
+        self.registry.register(EngineCollector(core, compat))
         r = self.registry
         self.finished = Counter("ember:request_success", "Finished sequences by finish reason.", ["finish_reason"],
                                 registry=r)

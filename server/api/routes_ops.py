@@ -1,5 +1,9 @@
-"""Operations endpoints: GET /health, /health_generate, /get_server_info, /v1/models, /v1/models/{id}, /metrics,
-and the admin route POST /flush_cache.
+"""Operations endpoints: GET /health, /health_generate, /get_server_info, /v1/loads, /v1/models, /v1/models/{id},
+/metrics, and the admin route POST /flush_cache.
+
+A router sees Ember as a generic OpenAI-compatible worker: smg classes a worker as SGLang or vLLM by /v1/models'
+`owned_by` ("ember" is neither) and by whether /server_info (SGLang) or /version (vLLM) answer, so Ember serves
+neither of those two paths (model_gateway/src/workflow/steps/local/detect_backend.rs in smg).
 
 /health and /metrics never touch the engine thread's locks or the tokenizer: they must answer in well under
 100 ms while a decode batch runs, and before the engine has finished loading.
@@ -10,6 +14,7 @@ import asyncio
 import platform
 import uuid
 from contextlib import aclosing
+from functools import cache
 from importlib import metadata
 from typing import Any
 
@@ -19,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.sampling_params import SamplingParams
 from server.api.deps import get_state
 from server.api.errors import APIError, error_response
+from server.api.loads import SECTIONS, WorkerLoads, include_is_valid, load_snapshot
 from server.api.metrics import CONTENT_TYPE
 from server.api.protocol import ModelCard, ModelList
 from server.api.state import ServerState
@@ -60,6 +66,7 @@ async def health_generate(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+@cache  # installed versions do not change while we run, and /v1/loads asks on every poll
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
@@ -80,6 +87,15 @@ async def server_info(request: Request) -> dict[str, Any]:
     return {
         "model": state.model_name,
         "model_path": cfg.model,
+        # What smg reads from here for a generic worker (its `ServerInfo`, deserialized with serde: every field
+        # optional, a wrong type loses them all; model_gateway/src/workflow/steps/local/discover_metadata.rs).
+        # It becomes the worker's labels: served_model_name names the model it routes to the worker,
+        # max_running_requests (below) feeds its capacity tracker (model_gateway/src/worker/capacity.rs). "model"
+        # is its alias of `model_id`: there must be no "model_id" key beside it (serde: duplicate field).
+        "served_model_name": state.model_name,
+        "context_length": core.max_context,
+        "max_total_tokens": core.runner.kv_pool.num_slots,
+        "version": _version("ember"),
         "architecture": core.model_config.architecture,
         "dtype": core.runner.config.dtype,  # --dtype auto resolved for the checkpoint
         "max_context_len": core.max_context,
@@ -109,6 +125,18 @@ async def server_info(request: Request) -> dict[str, Any]:
                      "transformers": _version("transformers"),
                      "llguidance": _version("llguidance"), "python": platform.python_version()},
     }
+
+
+@router.get("/v1/loads")
+async def loads(request: Request, include: str | None = None) -> WorkerLoads:
+    """The engine's load in the shape smg polls from a generic worker (server/api/loads.py). `include` takes
+    SGLang's section names (smg sends core,disagg,queues,memory); Ember answers the core fields for any of them."""
+    state = get_state(request)
+    if not include_is_valid(include):
+        raise APIError(400, f"include must be a comma-separated list of {', '.join(sorted(SECTIONS))}",
+                       param="include", code="invalid_value")
+    return load_snapshot(state.core, state.engine.config.max_running_requests, state.throughput,
+                         _version("ember") or "unknown")
 
 
 def _card(state: ServerState) -> ModelCard:

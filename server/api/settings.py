@@ -18,6 +18,8 @@ class ServerSettings:
     retry_after_seconds: int = 1  # what a 503 tells the client to wait
     log_level: str = "info"
     tool_call_parser: str | None = None  # None: chosen from the chat template (server/api/tool_parsers.py)
+    # "vllm": /metrics also exports vLLM's names for the gauges load-aware routers read (server/api/metrics.py)
+    metrics_compat: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
@@ -26,5 +28,7 @@ class ServerSettings:
             raise ValueError("max_n must be at least 1")
         if self.shutdown_grace_seconds < 0:
             raise ValueError("shutdown_grace_seconds must be non-negative")
+        if self.metrics_compat not in (None, "vllm"):
+            raise ValueError("metrics_compat must be None or 'vllm'")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

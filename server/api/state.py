@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.client import EngineClient
 from engine.core import EngineCore
+from server.api.loads import ThroughputMeter
 from server.api.metrics import ServerMetrics
 from server.api.settings import ServerSettings
 
@@ -31,6 +32,7 @@ class ServerState:
     # 100 ms or more, which must delay neither tokenizing other prompts nor the decode batch.
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-grammar"))
+    throughput: ThroughputMeter = field(default_factory=ThroughputMeter)  # /v1/loads gen_throughput
     started_at: float = field(default_factory=time.time)
     draining: bool = False
     # engine request id -> number of sequences (choices) it runs

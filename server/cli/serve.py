@@ -47,6 +47,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="the format tool calls are read in (and forced in, for tool_choice required): auto picks it "
                         "from the chat template, hermes when the template has no tool support "
                         "(default: %(default)s)")
+    g.add_argument("--metrics-compat", default=env("EMBER_METRICS_COMPAT", "none"), choices=["none", "vllm"],
+                   help="vllm: /metrics also exports vllm:num_requests_running, vllm:num_requests_waiting and "
+                        "vllm:kv_cache_usage_perc (the same values as Ember's gauges), for routers that only know "
+                        "vLLM's names, e.g. the Gateway API Inference Extension's endpoint picker "
+                        "(default: %(default)s)")
     g.add_argument("--log-level", default=env("EMBER_LOG_LEVEL", "info"),
                    choices=["critical", "error", "warning", "info", "debug"], help="(default: %(default)s)")
 
@@ -56,7 +61,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           served_model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
                           max_n=args.max_n, shutdown_grace_seconds=args.shutdown_grace_seconds,
                           log_level=args.log_level,
-                          tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser)
+                          tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
+                          metrics_compat=None if args.metrics_compat == "none" else args.metrics_compat)
 
 
 def run_serve(args: argparse.Namespace) -> int:
