@@ -70,15 +70,15 @@ def wait_for_health(server: Server, status: int = 200, timeout: float = 180.0) -
     raise TimeoutError(f"/health not {status} after {timeout} s:\n{server.log()[-4000:]}")
 
 
-def start_server(args: list[str], log_path: Path) -> Server:
-    """`python -m server.cli serve ARGS --port FREE` in a subprocess (returns at once). One compute thread
-    unless ARGS say otherwise: the engine would otherwise take every core of a shared test machine."""
-    port = free_port()
+def start_server(args: list[str], log_path: Path, port: int | None = None) -> Server:
+    """`python -m server.cli serve ARGS --port PORT` (a free one by default) in a subprocess (returns at once). One
+    compute thread unless ARGS say otherwise: the engine would otherwise take every core of a shared test machine."""
+    port = port or free_port()
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}  # only our flags count
     env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--num-threads", "1", *args]
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:  # appended: a restarted replica keeps its first life's log
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     return Server(proc, f"http://127.0.0.1:{port}", log_path)
 
