@@ -56,6 +56,11 @@ _BLOCK_NAMES: dict[str, str] = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Architectures whose block tensors differ from llama's: its table with their names laid over it.
+_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {
+    "phi3": _BLOCK_NAMES | PHI3_BLOCK_NAMES,
+    "gemma3": _BLOCK_NAMES | GEMMA3_BLOCK_NAMES,
+}
 
 
 def read_gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
@@ -160,13 +165,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if arch == "phi3" and m is not None and m[2] in PHI3_BLOCK_NAMES:
-        return f"model.layers.{m[1]}.{PHI3_BLOCK_NAMES[m[2]]}.{m[3]}"
-    if arch == "gemma3" and m is not None and m[2] in GEMMA3_BLOCK_NAMES:
-        return f"model.layers.{m[1]}.{GEMMA3_BLOCK_NAMES[m[2]]}.{m[3]}"
-    if m is None or m[2] not in _BLOCK_NAMES:
+    names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+    if m is None or m[2] not in names:
         raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no HF counterpart in the supported models")
-    return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
 
 
 def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
