@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig, PreTrainedModel
 
@@ -30,6 +29,7 @@ from engine.quant.module import quantized_weights
 from engine.sampling_params import SamplingParams
 from engine_helpers import ManualBatch, make_runner, random_prompts
 from scheduler_helpers import Arrival, Driver, assert_idle_and_empty, run_solo, tiny_engine
+from tiny_gguf import add_weight, finish, shape_writer
 from tiny_models import tiny_tokenizer
 
 WINDOW = 8
@@ -89,22 +89,13 @@ def write_gemma3_gguf(hf_folder: Path, out: Path, qtype: GGMLQuantizationType | 
     template."""
     cfg = AutoConfig.from_pretrained(hf_folder)
     tok = load_tokenizer(str(hf_folder))
-    w = GGUFWriter(out, "gemma3")
-    w.add_name(hf_folder.name)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = shape_writer(out, "gemma3", hf_folder.name, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
     w.add_sliding_window(cfg.sliding_window)
     if pattern is not None:
         w.add_sliding_window_pattern(pattern)
-    w.add_vocab_size(cfg.vocab_size)
     w.add_token_list([tok.convert_ids_to_tokens(i) for i in range(len(tok))])
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
@@ -123,16 +114,8 @@ def write_gemma3_gguf(hf_folder: Path, out: Path, qtype: GGMLQuantizationType | 
             _, _, layer, rest = name.split(".", 3)
             module, _, kind = rest.rpartition(".")
             gguf_name = f"blk.{layer}.{names[module]}.{kind}"
-        values = (t.float() + 1.0 if name.endswith("norm.weight") else t.float()).numpy()
-        if qtype is not None and values.ndim == 2:
-            w.add_tensor(gguf_name, quantize(values, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, values)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+        add_weight(w, gguf_name, (t.float() + 1.0 if name.endswith("norm.weight") else t.float()).numpy(), qtype)
+    return finish(w, out)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from gguf import GGMLQuantizationType as T, GGUFWriter
-from gguf.quants import quantize
+from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
@@ -23,7 +22,7 @@ from engine.model_runner import ModelRunner
 from engine.ops.moe import moe_experts
 from engine.quant.module import QuantizedWeight
 from engine_helpers import ManualBatch, random_prompts
-from tiny_gguf import gguf_name, llama_cpp_permute
+from tiny_gguf import add_weight, finish, gguf_name, llama_cpp_permute, shape_writer
 from tiny_models import tiny_tokenizer
 
 EXPERTS, TOP_K = 8, 2
@@ -189,17 +188,8 @@ def write_moe_gguf(folder: Path, out: Path, qtype: T | None = None, per_expert: 
     cfg = AutoConfig.from_pretrained(folder)
     mixtral = cfg.model_type == "mixtral"
     arch = "llama" if mixtral else "qwen3moe"
-    w = GGUFWriter(out, arch)
-    w.add_name(folder.name)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = shape_writer(out, arch, folder.name, cfg)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
     w.add_expert_count(cfg.num_local_experts if mixtral else cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if mixtral:
@@ -211,11 +201,7 @@ def write_moe_gguf(folder: Path, out: Path, qtype: T | None = None, per_expert: 
     w.add_eos_token_id(cfg.eos_token_id)
 
     def add(name: str, t: torch.Tensor) -> None:
-        values = t.float().numpy()
-        if qtype is not None and values.ndim >= 2 and "ffn_gate_inp" not in name:
-            w.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, values)
+        add_weight(w, name, t.float().numpy(), None if "ffn_gate_inp" in name else qtype)  # the router stays F32
 
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, t in load_file(folder / "model.safetensors").items():
@@ -238,11 +224,7 @@ def write_moe_gguf(folder: Path, out: Path, qtype: T | None = None, per_expert: 
                 add(f"blk.{layer}.ffn_{proj}.{e}.weight", stack[e])
         else:
             add(f"blk.{layer}.ffn_{proj}_exps.weight", stack)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return finish(w, out)
 
 
 @pytest.mark.parametrize("variant, per_expert", [("qwen3_moe", False), ("mixtral", False), ("mixtral", True)],

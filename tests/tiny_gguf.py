@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.torch import load_file
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 _HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
@@ -64,23 +64,46 @@ def llama3_rope_factors(theta: float, head_dim: int, scaling: dict[str, float]) 
     return np.array(out, dtype=np.float32)
 
 
-def write_tiny_gguf(hf_folder: Path, out: Path, eot_token_id: int | None = None,
-                    qtype: GGMLQuantizationType | None = None) -> Path:
-    """Convert `hf_folder` (a tests.tiny_models folder) to `out`; mistral is written as llama, like llama.cpp.
-    qtype: store every 2-D weight quantized to that type (gguf's own quantizer), as llama-quantize would."""
-    cfg = AutoConfig.from_pretrained(hf_folder)
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+def shape_writer(out: Path, arch: str, name: str, cfg: PretrainedConfig) -> GGUFWriter:
+    """A GGUFWriter holding the keys every converted checkpoint has: its name, the layer shape, the norm epsilon and
+    the vocabulary size. Callers add their architecture's rope, tokenizer and special-token keys."""
     w = GGUFWriter(out, arch)
-    w.add_name(hf_folder.name)
+    w.add_name(name)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    return w
+
+
+def add_weight(w: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQuantizationType | None) -> None:
+    """The tensor as it is, or quantized to `qtype` when it is a weight matrix (or a stack of them)."""
+    if qtype is not None and values.ndim >= 2:
+        w.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, values)
+
+
+def finish(w: GGUFWriter, out: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def write_tiny_gguf(hf_folder: Path, out: Path, eot_token_id: int | None = None,
+                    qtype: GGMLQuantizationType | None = None) -> Path:
+    """Convert `hf_folder` (a tests.tiny_models folder) to `out`; mistral is written as llama, like llama.cpp.
+    qtype: store every 2-D weight quantized to that type (gguf's own quantizer), as llama-quantize would."""
+    cfg = AutoConfig.from_pretrained(hf_folder)
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    w = shape_writer(out, arch, hf_folder.name, cfg)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if arch == "llama":
         w.add_rope_dimension_count(cfg.head_dim)
     w.add_bos_token_id(cfg.bos_token_id)
@@ -95,13 +118,5 @@ def write_tiny_gguf(hf_folder: Path, out: Path, eot_token_id: int | None = None,
             t = llama_cpp_permute(t, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             t = llama_cpp_permute(t, cfg.num_key_value_heads)
-        values = t.float().numpy()
-        if qtype is not None and values.ndim == 2:
-            w.add_tensor(gguf_name(name), quantize(values, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name(name), values)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+        add_weight(w, gguf_name(name), t.float().numpy(), qtype)
+    return finish(w, out)
