@@ -1,0 +1,178 @@
+// ember::linear_gguf on CPU: y[..., N] = x[..., K] @ W[N, K]^T for a weight held in GGUF's own block bytes,
+// 4-row interleaved (linear_gguf.h), x and y in bf16 or fp32; and ember::gguf_rows, the exact dequantized rows
+// (embeddings). This file checks the arguments, quantizes x to int8 once per call, picks the kernel of the active
+// ISA tier and spreads blocks of 32 output rows over the threads (common/parallel_blocks.h). ISA: none.
+//
+// Kernel per tier, as linear_q: avx512 and avx512bf16 run the AVX512-VNNI kernel (512-bit) where the CPU has VNNI
+// and the AVX2 kernel otherwise; avx2 the AVX2 kernel; scalar the portable reference.
+#include "linear_gguf/linear_gguf.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common/cpu_isa.h"
+#include "common/parallel_blocks.h"
+#include "common/widen_bf16.h"
+
+namespace ember {
+namespace {
+
+enum class Variant { kScalar, kAvx2, kAvx512Vnni };
+
+Variant variant_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+    case Isa::kAvx512: return cpu_has_avx512_vnni() ? Variant::kAvx512Vnni : Variant::kAvx2;
+    case Isa::kAvx2: return Variant::kAvx2;
+    case Isa::kScalar: break;
+  }
+  return Variant::kScalar;
+}
+
+GgufKernel kernel_for(Isa isa, int64_t qtype) {
+  switch (variant_for(isa)) {
+    case Variant::kAvx512Vnni: return linear_gguf_kernel_avx512vnni(qtype);
+    case Variant::kAvx2: return linear_gguf_kernel_avx2(qtype);
+    case Variant::kScalar: break;
+  }
+  return linear_gguf_kernel_scalar(qtype);
+}
+
+struct QuantizedActs {
+  std::vector<int8_t> q;
+  std::vector<float> d, msum;
+  std::vector<int16_t> bsum;
+  std::vector<int32_t> off;
+};
+
+// Per row, per block of qb (32 or 256): d = max|x| / 127, q = round(x / d) (nearest even), sums per 16.
+// Portable C++ (O(rows K), against the kernel's O(rows N K)); every variant sees the same int8 values.
+void quantize(const float* x, int64_t rows, int64_t k, int64_t qb, int lane_offset, QuantizedActs& o) {
+  o.q.resize(rows * k);
+  o.d.resize(rows * k / qb);
+  o.bsum.resize(rows * k / 16);
+  if (qb == 32) {
+    o.off.resize(rows * k / 32);
+    o.msum.resize(rows * k / 32);
+  }
+  for (int64_t j = 0; j < rows * k / qb; ++j) {
+    const float* v = x + j * qb;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < qb; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+    const float d = amax / kGgufActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int8_t* q = o.q.data() + j * qb;
+    for (int64_t i = 0; i < qb; ++i) q[i] = static_cast<int8_t>(std::fmax(-127.0f, std::fmin(127.0f, std::nearbyint(v[i] * id))));
+    o.d[j] = d;
+    for (int64_t s = 0; s < qb / 16; ++s) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
+      o.bsum[j * qb / 16 + s] = static_cast<int16_t>(sum);
+    }
+    if (qb == 32) {
+      const int sum = o.bsum[2 * j] + o.bsum[2 * j + 1];
+      o.off[j] = sum * lane_offset;
+      o.msum[j] = d * static_cast<float>(sum) * 0.125f;
+    }
+  }
+}
+
+// K of a packed weight, after checking it is one.
+int64_t checked_k(const at::Tensor& packed, int64_t qtype, int64_t n) {
+  const GgufTypeInfo ti = gguf_type_info(qtype);
+  TORCH_CHECK(ti.values != 0, "linear_gguf: unsupported ggml type ", qtype,
+              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte,
+              "packed must be a contiguous uint8 [ceil(N/4), 4 * row bytes] tensor (gguf_blocks.interleave)");
+  TORCH_CHECK(packed.size(1) % (4 * ti.bytes) == 0 && packed.size(1) > 0,
+              "packed rows of ", packed.size(1), " bytes are not 4 rows of whole ", ti.bytes, "-byte blocks");
+  TORCH_CHECK(n > 4 * (packed.size(0) - 1) && n <= 4 * packed.size(0), "packed [", packed.size(0), ", ",
+              packed.size(1), "] is not an interleaved weight of ", n, " rows");
+  return packed.size(1) / 4 / ti.bytes * ti.values;
+}
+
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, Isa isa) {
+  const int64_t k = checked_k(packed, qtype, n);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "linear_gguf takes bfloat16 or float32 input, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "input has ", x.dim() ? x.size(-1) : 0, " features, weight expects ", k);
+  const GgufKernel kernel = kernel_for(isa, qtype);
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.numel() / k;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty(out_shape, x.options());
+  if (rows == 0 || n == 0) return out;
+  const bool bf16 = xc.scalar_type() == at::kBFloat16;
+  // Plain buffers: a decode step makes ~120 of these calls (see parallel_blocks.h on tensor allocations).
+  std::vector<float> widened;
+  if (bf16) widened = widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()), rows * k);
+  const float* xf = bf16 ? widened.data() : xc.data_ptr<float>();
+  GgufLinearArgs args{qtype, packed.data_ptr<uint8_t>(), rows, k, n, {}, nullptr, bf16, out.data_ptr()};
+  const bool tile = rows >= kGgufTileMinRows && kernel.run_block_tile != nullptr;
+  QuantizedActs acts;
+  if (tile) {
+    args.xf = xf;
+  } else {
+    quantize(xf, rows, k, gguf_type_info(qtype).values, kernel.lane_offset, acts);
+    args.x = {acts.q.data(), acts.d.data(), acts.bsum.data(), acts.off.data(), acts.msum.data()};
+  }
+  const auto run_block = tile ? kernel.run_block_tile : kernel.run_block;
+  parallel_blocks((n + kGgufBlockRows - 1) / kGgufBlockRows, gguf_scratch_floats(rows, tile),
+                  [&](int64_t b, float* scratch) { run_block(args, b, scratch); });
+  return out;
+}
+
+at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n) {
+  return run(x, packed, qtype, n, active_isa());
+}
+
+// One named tier, whatever is active: how the tests run every variant the CPU supports.
+at::Tensor linear_gguf_isa(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
+                           const std::string& isa) {
+  return run(x, packed, qtype, n, parse_isa(isa));
+}
+
+std::string linear_gguf_variant(const std::string& isa) {
+  const Variant v = variant_for(parse_isa(isa));
+  return v == Variant::kAvx512Vnni ? "avx512vnni" : v == Variant::kAvx2 ? "avx2" : "scalar";
+}
+
+// Rows `ids` of the weight, dequantized exactly as gguf does (embedding lookups), in fp32 or bf16 (rounded).
+at::Tensor gguf_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t qtype, int64_t n,
+                     at::ScalarType dtype) {
+  const int64_t k = checked_k(packed, qtype, n), row_bytes = packed.size(1) / 4;
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "gguf_rows: ids must be int64/int32");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gguf_rows: dtype must be float32 or bfloat16");
+  const at::Tensor idc = ids.to(at::kLong).contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  at::Tensor out = at::empty(shape, packed.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < idc.numel(); ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "gguf_rows: row ", id[i], " out of range for ", n, " rows");
+    gguf_dequant_row(qtype, w + (id[i] / 4) * 4 * row_bytes, id[i] % 4, k, o + i * k);
+  }
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+}  // namespace
+}  // namespace ember
+
+TORCH_LIBRARY_FRAGMENT(ember, m) {
+  m.def("linear_gguf(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
+  m.def("linear_gguf_isa(Tensor x, Tensor packed, int qtype, int n, str isa) -> Tensor");
+  m.def("linear_gguf_variant(str isa) -> str", &ember::linear_gguf_variant);
+  m.def("gguf_rows(Tensor packed, Tensor ids, int qtype, int n, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ember, CPU, m) {
+  m.impl("linear_gguf", &ember::linear_gguf);
+  m.impl("linear_gguf_isa", &ember::linear_gguf_isa);
+  m.impl("gguf_rows", &ember::gguf_rows);
+}

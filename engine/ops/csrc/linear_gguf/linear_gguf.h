@@ -1,0 +1,93 @@
+// The interface between ember::linear_gguf's driver (linear_gguf.cpp: checks, activation quantization, threads,
+// dispatch) and its per-ISA kernels (linear_gguf_<isa>.cpp over linear_gguf_body.h; the scalar reference, which
+// is also the test oracle and gguf_rows' dequantizer, in linear_gguf_scalar.cpp). ISA: none.
+//
+// The weight is GGUF's own block bytes (ggml-common.h layouts), only permuted (engine/quant/gguf_blocks.py
+// interleave): rows 4g..4g+3 form group g, and block b of the group's row r sits at byte (4 b + r) * block_bytes,
+// the last group padded with zero rows. A thread computing a group's 4 rows reads one sequential stream (4
+// separate row streams ran at half the bandwidth, linear_q.h), and the bytes read are exactly the file's.
+//
+// Activations are quantized once per call, per row, symmetric and rounded to nearest, to int8 (-127..127) in
+// blocks of 32 (types with 32-value blocks, like ggml's q8_0) or 256 (K-quants, like q8_K), one fp32 scale per
+// block, plus integer sums per 16 values that carry the weights' offsets and mins (see GgufActs).
+#pragma once
+
+#include <cstdint>
+
+namespace ember {
+
+enum GgufType : int {  // ggml type ids
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+};
+
+struct GgufTypeInfo {
+  int values;  // per block: 32, or 256 for K-quants
+  int bytes;   // per block, as in the file
+};
+
+// {0, 0} for a type this op does not run.
+inline GgufTypeInfo gguf_type_info(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return {32, 18};   // fp16 d, 16 B nibbles:                 d * (q - 8)
+    case kQ4_1: return {32, 20};   // fp16 d, fp16 m, 16 B nibbles:         d * q + m
+    case kQ5_0: return {32, 22};   // fp16 d, 4 B 5th bits, 16 B nibbles:   d * (q - 16)
+    case kQ5_1: return {32, 24};   // fp16 d, fp16 m, 4 B qh, 16 B nibbles: d * q + m
+    case kQ8_0: return {32, 34};   // fp16 d, 32 int8:                      d * q
+    case kQ4_K: return {256, 144};  // fp16 d, dmin, 12 B 6-bit sc/m, 128 B nibbles: d sc q - dmin m per 32
+    case kQ5_K: return {256, 176};  // as Q4_K + 32 B 5th bits
+    case kQ6_K: return {256, 210};  // 128 B low nibbles, 64 B 2-bit highs, 16 int8 sc, fp16 d: d sc (q - 32) per 16
+    default: return {0, 0};
+  }
+}
+
+constexpr int64_t kGgufBlockRows = 32;  // output rows per unit of work stolen between threads
+constexpr float kGgufActMax = 127.0f;   // int8 activations: -127..127, so a sign flip never overflows
+
+// From this many rows on (prefill) a call dequantizes each 32-row block's K-chunk once into an fp32 tile and runs
+// the fp32 micro-kernel (linear/linear_fma_body.h) on fp32 activations, as linear_q does (linear_q.h measured the
+// crossing near 8-16 rows); below, integer dots on int8 activations.
+constexpr int64_t kGgufTileMinRows = 16;
+constexpr int64_t kGgufTileChunk = 512;  // K values per tile (a multiple of 256): 512 x 32 x 4 B = 64 KiB, in L2
+
+// x quantized: row m, activation block j (32 or 256 values) of K.
+struct GgufActs {
+  const int8_t* q;      // [rows, K]
+  const float* d;       // [rows, K / qb] scales
+  const int16_t* bsum;  // [rows, K / 16] sum of q per 16 values (|sum| <= 2032)
+  // 32-value types only, per 32 values: off = sum(q) * lane_offset (GgufKernel), what each of a row's 8 int32 dot
+  // lanes subtracts so that the 8 lanes together remove the weights' offset (8 lanes x 1 = Q4_0's 8, x 2 = Q5_0's
+  // 16, x 16 = 128 for Q8_0 made unsigned); msum = d * sum(q) / 8, the min's share per lane (Q4_1, Q5_1).
+  const int32_t* off;
+  const float* msum;
+};
+
+struct GgufLinearArgs {
+  int64_t qtype;
+  const uint8_t* w;     // interleaved GGUF blocks
+  int64_t rows, k, n;
+  GgufActs x;           // integer path
+  const float* xf;      // [rows, K] fp32 activations (tile path), else nullptr
+  bool out_bf16;        // out is bf16 (rounded to nearest even), else fp32
+  void* out;            // [rows, n]
+};
+
+struct GgufKernel {
+  // Every row of output block `block` (rows [32 block, 32 block + 32)). scratch: gguf_scratch_floats floats.
+  void (*run_block)(const GgufLinearArgs& a, int64_t block, float* scratch);       // integer dots
+  void (*run_block_tile)(const GgufLinearArgs& a, int64_t block, float* scratch);  // fp32 tile (null: none)
+  int lane_offset;  // GgufActs::off multiplier for this type and variant (0: the dot needs no offset)
+};
+
+inline int64_t gguf_scratch_floats(int64_t rows, bool tile) {
+  return tile ? 2 * kGgufTileChunk * kGgufBlockRows + rows * kGgufBlockRows : 0;
+}
+
+GgufKernel linear_gguf_kernel_scalar(int64_t qtype);
+GgufKernel linear_gguf_kernel_avx2(int64_t qtype);
+GgufKernel linear_gguf_kernel_avx512vnni(int64_t qtype);
+
+// Row r (0..3) of a 4-row interleaved group, inputs [0, k), as fp32 exactly as gguf.quants.dequantize computes
+// them (each value one rounding at most, of the same exact operands). Portable C++ (linear_gguf_scalar.cpp).
+void gguf_dequant_row(int64_t qtype, const uint8_t* group, int64_t r, int64_t k, float* out);
+
+}  // namespace ember

@@ -1,0 +1,74 @@
+// ember::linear_gguf kernels for AVX512-VNNI (+BW/VL/DQ: Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4 on), on
+// 512-bit registers: two rows' 32 bytes per zmm (rows r, r+1 of a group are adjacent blocks in the stream), the
+// byte dot of 32-value types one vpdpbusd, Q8_0 made unsigned (codes + 128, the 128 sum(x) taken off per lane:
+// lane_offset 16), K-quants' sub-scaled dots vpmaddubsw + vpmaddwd (2 uops, as vpdpbusd + vpmulld would be).
+#include "linear_gguf/linear_gguf.h"
+
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+#include "common/simd_avx512.h"
+#include "linear_gguf/linear_gguf_decode.h"
+
+namespace {
+struct GAvx512 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int R = 2;
+  static constexpr bool kQ8Offset = true;
+  static constexpr int rows_per_pass(int mt) { return mt <= 4 ? 4 : 2; }  // of 32 zmm
+
+  static I cat(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+  template <class Fn> static I rows(Fn f) { return cat(f(0), f(1)); }
+  template <class Fn> static F rowsf(Fn f) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f(0))), _mm256_set1_ps(f(1)), 1);
+  }
+  static I xload(const int8_t* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static I dot(I w, I x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
+  static I dot_s8(I w, I x) { return dot(_mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), x); }
+  static I dot_sc(I w, I x, I s) { return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), s); }
+  static I madd16(I a, I b) { return _mm512_madd_epi16(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
+  static I mask8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+  static I srli16_4(I a) { return _mm512_srli_epi16(a, 4); }
+  static I slli32_5(I a) { return _mm512_slli_epi32(a, 5); }
+  static I shuffle(I a, I idx) { return _mm512_shuffle_epi8(a, idx); }
+  static I pick(int c) { return _mm512_set1_epi16(static_cast<short>((2 * c + 1) << 8 | (2 * c))); }
+  static I k5_high(I qh, int c) {
+    const I s = c <= 4 ? _mm512_slli_epi16(qh, 4 - c) : _mm512_srli_epi16(qh, c - 4);
+    return _mm512_and_si512(s, mask8(0x10));
+  }
+  static void q6_half(const uint8_t* b, int bb, int h, I c[4]) {
+    __m256i r0[4], r1[4];
+    g_q6_half(b, h, r0);
+    g_q6_half(b + bb, h, r1);
+    for (int j = 0; j < 4; ++j) c[j] = cat(r0[j], r1[j]);
+  }
+  static __m256i bits_to_0x10(uint32_t qh) { return _mm256_maskz_mov_epi8(qh, g_mask8(0x10)); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static float hsum_row(F v, int r) {
+    const __m256 h = r ? _mm512_extractf32x8_ps(v, 1) : _mm512_castps512_ps256(v);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+};
+}  // namespace
+
+#include "linear_gguf/linear_gguf_tile.h"
+
+ember::GgufKernel ember::linear_gguf_kernel_avx512vnni(int64_t qtype) {
+  return GgufKernels<GAvx512, Avx512>::make(qtype);
+}
+#pragma GCC pop_options

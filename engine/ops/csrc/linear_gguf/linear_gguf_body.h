@@ -1,0 +1,187 @@
+// ember::linear_gguf's integer kernels, written once over a policy V (linear_gguf_avx2.cpp, _avx512vnni.cpp):
+//   V::I / V::F   integer / float vector holding V::R rows' 32 bytes each (AVX2: 1 row in a ymm; AVX-512: 2 in a zmm)
+//   V::rows(f)    the vector of rows f(0), f(1).. (256-bit each); V::xload(p): 32 activation bytes in every row slot
+//   V::dot(w, x)  unsigned w bytes x signed x bytes -> int32 lanes, lane i = 4 products (vpmaddubsw + vpmaddwd with
+//                 ones; vpdpbusd). V::dot_sc(w, x, s): the pairs of products scaled by int16 s (vpmaddubsw + vpmaddwd)
+// Lane layout, the same in both: a row's 32 bytes give 8 int32 lanes, lanes 0-3 its values 0-15, lanes 4-7 16-31.
+// Offsets ride on that: subtracting sum(x) * o from each of a row's 8 lanes removes 8 o sum(x) from their total.
+//
+// No int16 overflow (vpmaddubsw saturates): pairs of code x |x| <= 127 are at most 2 * 63 * 127 = 16002 (Q6_K's 6
+// bits; Q8_0 on AVX2 moves its sign onto x first: 2 * 128 * 127 = 32512); the int32 sums stay below 2^27.
+// Included inside the ISA's target region, after every standard header; internal linkage throughout (see
+// linear_fma_body.h for why no std:: templates).
+#pragma once
+
+#include "linear_gguf/linear_gguf_decode.h"
+
+namespace {
+
+using ember::GgufActs;
+using ember::GgufLinearArgs;
+
+constexpr int kRowTile = 8;        // activation rows sharing each decoded weight vector
+constexpr int kPrefetch = 512;     // bytes ahead of the weight stream (one stream per thread)
+
+inline int64_t g_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+inline uint16_t g_to_bf16(float f) {  // round to nearest even, as torch rounds
+  uint32_t bits;
+  __builtin_memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline void g_store(const GgufLinearArgs& a, int64_t at, float y) {
+  if (a.out_bf16) static_cast<uint16_t*>(a.out)[at] = g_to_bf16(y);
+  else static_cast<float*>(a.out)[at] = y;
+}
+
+template <class V>
+struct GgufBody {
+  using I = typename V::I;
+  using F = typename V::F;
+  static constexpr int R = V::R;
+
+  static void prefetch(const uint8_t* p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
+  }
+
+  // res[r * MT + m] = row r0 + r of group g (NR rows) dotted with activation rows 0..MT-1, 32-value types.
+  template <int T, int MT, int NR>
+  static void dot32(const uint8_t* g, int64_t r0, const GgufActs& x, int64_t k, float* res) {
+    using L = Layout32<T>;
+    constexpr int NV = NR / R, bb = L::bytes;
+    constexpr bool off = L::code_offset != 0 || (T == ember::kQ8_0 && V::kQ8Offset);
+    const int64_t nb = k / 32;
+    F acc[NV][MT];
+    for (int v = 0; v < NV; ++v)
+      for (int m = 0; m < MT; ++m) acc[v][m] = V::zero();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = g + (4 * b + r0) * bb;
+      prefetch(blk, NR * bb);
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* rb = blk + v * R * bb;
+        const I w = V::rows([&](int r) { return g_decode32<T, V>(rb + r * bb); });
+        const F dw = V::rowsf([&](int r) { return g_half(rb + r * bb); });
+        const F mw = L::min ? V::rowsf([&](int r) { return g_half(rb + r * bb + 2); }) : dw;
+        for (int m = 0; m < MT; ++m) {
+          const I xv = V::xload(x.q + m * k + 32 * b);
+          I dot = T == ember::kQ8_0 ? V::dot_s8(w, xv) : V::dot(w, xv);
+          if constexpr (off) dot = V::sub(dot, V::set1i(x.off[m * nb + b]));
+          acc[v][m] = V::fma(V::cvt(dot), V::mul(dw, V::set1(x.d[m * nb + b])), acc[v][m]);
+          if constexpr (L::min) acc[v][m] = V::fma(mw, V::set1(x.msum[m * nb + b]), acc[v][m]);
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) res[(v * R + r) * MT + m] = V::hsum_row(acc[v][m], r);
+  }
+
+  // The same for K-quants: integer sums over a 256-value block (sub-scales in vpmaddwd), then one float scaling.
+  template <int T, int MT, int NR>
+  static void dotk(const uint8_t* g, int64_t r0, const GgufActs& x, int64_t k, float* res) {
+    constexpr int NV = NR / R, bb = T == ember::kQ4_K ? 144 : T == ember::kQ5_K ? 176 : 210;
+    const int64_t nsb = k / 256;
+    F acc[NV][MT];
+    for (int v = 0; v < NV; ++v)
+      for (int m = 0; m < MT; ++m) acc[v][m] = V::zero();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* blk = g + (4 * sb + r0) * bb;
+      prefetch(blk, NR * bb);
+      const int8_t* xq = x.q + 256 * sb;
+      const int16_t* xs = x.bsum + 16 * sb;
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* rb = blk + v * R * bb;
+        I isum[MT];
+        for (int m = 0; m < MT; ++m) isum[m] = V::izero();
+        if constexpr (T == ember::kQ6_K) {
+          const I table = V::rows([&](int r) { return g_q6_table(rb + r * bb + 192); });
+          for (int h = 0; h < 2; ++h) {
+            I c[4];
+            V::q6_half(rb, bb, h, c);
+            for (int j = 0; j < 4; ++j) {
+              const I s = V::shuffle(table, V::pick(4 * h + j));
+              for (int m = 0; m < MT; ++m)
+                isum[m] = V::add(isum[m], V::dot_sc(c[j], V::xload(xq + m * k + 128 * h + 32 * j), s));
+            }
+          }
+          // codes are q + 32: take 32 sum_s sc_s bsum_s off
+          const I scn = V::rows([&](int r) { return g_q6_natural(rb + r * bb + 192); });
+          const F d = V::rowsf([&](int r) { return g_half(rb + r * bb + 208); });
+          for (int m = 0; m < MT; ++m) {
+            const I o = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), scn);
+            isum[m] = V::sub(isum[m], V::slli32_5(o));
+            acc[v][m] = V::fma(V::cvt(isum[m]), V::mul(d, V::set1(x.d[m * nsb + sb])), acc[v][m]);
+          }
+        } else {
+          constexpr int qs = T == ember::kQ5_K ? 48 : 16;
+          uint64_t sc[R], mn[R];
+          for (int r = 0; r < R; ++r) g_k_scales(rb + r * bb + 4, sc[r], mn[r]);
+          const I table = V::rows([&](int r) { return g_k_table(sc[r]); });
+          I qh = V::izero();
+          if constexpr (T == ember::kQ5_K) qh = V::rows([&](int r) { return g_load256(rb + r * bb + 16); });
+          for (int j = 0; j < 4; ++j) {
+            const I q = V::rows([&](int r) { return g_load256(rb + r * bb + qs + 32 * j); });
+            I lo = V::and_(q, V::mask8(0x0F)), hi = V::and_(V::srli16_4(q), V::mask8(0x0F));
+            if constexpr (T == ember::kQ5_K) {
+              lo = V::or_(lo, V::k5_high(qh, 2 * j));
+              hi = V::or_(hi, V::k5_high(qh, 2 * j + 1));
+            }
+            const I s_lo = V::shuffle(table, V::pick(2 * j)), s_hi = V::shuffle(table, V::pick(2 * j + 1));
+            for (int m = 0; m < MT; ++m) {
+              const int8_t* xm = xq + m * k + 64 * j;
+              isum[m] = V::add(isum[m], V::add(V::dot_sc(lo, V::xload(xm), s_lo), V::dot_sc(hi, V::xload(xm + 32), s_hi)));
+            }
+          }
+          const I mins = V::rows([&](int r) { return g_k_mins(mn[r]); });
+          const F d = V::rowsf([&](int r) { return g_half(rb + r * bb); });
+          const F dmin = V::rowsf([&](int r) { return -g_half(rb + r * bb + 2); });
+          for (int m = 0; m < MT; ++m) {
+            const F xd = V::set1(x.d[m * nsb + sb]);
+            const I ms = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), mins);
+            acc[v][m] = V::fma(V::cvt(isum[m]), V::mul(d, xd), acc[v][m]);
+            acc[v][m] = V::fma(V::cvt(ms), V::mul(dmin, xd), acc[v][m]);
+          }
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MT; ++m) res[(v * R + r) * MT + m] = V::hsum_row(acc[v][m], r);
+  }
+
+  using DotFn = void (*)(const uint8_t*, int64_t, const GgufActs&, int64_t, float*);
+
+  template <int T, int MT>
+  static DotFn dot_for(int64_t mt) {
+    constexpr int nr = V::rows_per_pass(MT);
+    DotFn f;
+    if constexpr (T == ember::kQ4_K || T == ember::kQ5_K || T == ember::kQ6_K) f = dotk<T, MT, nr>;
+    else f = dot32<T, MT, nr>;
+    if constexpr (MT == 1) return f;
+    else return mt == MT ? f : dot_for<T, MT - 1>(mt);
+  }
+
+  // Every row of output block `block`, rows of x in tiles of kRowTile sharing each decoded weight vector.
+  template <int T>
+  static void run_block(const GgufLinearArgs& a, int64_t block, float*) {
+    const ember::GgufTypeInfo ti = ember::gguf_type_info(T);
+    const int64_t k = a.k, nblk = k / ti.values, row_bytes = nblk * ti.bytes;
+    const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
+    float res[4 * kRowTile];
+    for (int64_t m0 = 0; m0 < a.rows; m0 += kRowTile) {
+      const int64_t mt = g_min64(kRowTile, a.rows - m0), nr = V::rows_per_pass(static_cast<int>(mt));
+      const DotFn dot = dot_for<T, kRowTile>(mt);
+      const bool k32 = ti.values == 32;
+      const GgufActs x{a.x.q + m0 * k, a.x.d + m0 * nblk, a.x.bsum + m0 * (k / 16),
+                       k32 ? a.x.off + m0 * nblk : nullptr, k32 ? a.x.msum + m0 * nblk : nullptr};
+      for (int64_t gi = n0 / 4; gi < (n1 + 3) / 4; ++gi) {
+        for (int64_t r0 = 0; r0 < 4; r0 += nr) dot(a.w + gi * 4 * row_bytes, r0, x, k, res + r0 * mt);
+        for (int64_t r = 0; r < 4 && gi * 4 + r < n1; ++r)
+          for (int64_t m = 0; m < mt; ++m) g_store(a, (m0 + m) * a.n + gi * 4 + r, res[r * mt + m]);
+      }
+    }
+  }
+};
+
+}  // namespace

@@ -1,0 +1,228 @@
+"""ember::linear_gguf (GGUF block bytes, int8 activations) and engine/quant/gguf_blocks.py: every kernel variant this
+CPU runs against x @ gguf.quants.dequantize(W) in fp64, SIMD variants against the scalar reference, the layout,
+the exact embedding rows, the fakes under torch.compile, and argument checks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.ops.native import NATIVE_OPS, SUPPORTED_ISAS
+from engine.quant import gguf_blocks as gb
+
+pytestmark = pytest.mark.skipif(not NATIVE_OPS, reason="the C++ ops are not built")
+
+TYPES = sorted(gb.GGUF_TYPES)
+NAMES = [gb.GGUF_TYPES[t][0] for t in TYPES]
+K_QUANTS = {12, 13, 14}
+# Byte offsets of each type's fp16 fields (d, and m / dmin): random bytes there would give NaN/inf.
+FP16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+ROWS = [1, 2, 3, 5, 8, 15, 16, 33, 100]
+
+
+def _variants() -> list:
+    """One pytest.param per kernel variant, run through the plainest tier that selects it; a variant no tier of
+    this CPU reaches is a skip naming it."""
+    reach: dict[str, str] = {}
+    if NATIVE_OPS:
+        for tier in reversed(SUPPORTED_ISAS):
+            reach.setdefault(str(torch.ops.ember.linear_gguf_variant(tier)), tier)
+    return [pytest.param(reach[v], id=v) if v in reach else
+            pytest.param("", id=v, marks=pytest.mark.skip(reason=f"this CPU cannot run the {v} linear_gguf kernel"))
+            for v in ("avx512vnni", "avx2", "scalar")]
+
+
+VARIANTS = _variants()
+
+
+def random_rows(qtype: int, n: int, k: int, seed: int, fill: int | None = None) -> torch.Tensor:
+    """GGUF rows [n, row_bytes]: random code bytes (or all `fill`), fp16 fields of both signs, 2^-8..2^-4."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    raw = rng.integers(0, 256, (n, k // block * size), dtype=np.uint8) if fill is None else \
+        np.full((n, k // block * size), fill, dtype=np.uint8)
+    blocks = raw.reshape(n, k // block, size)
+    for off in FP16_FIELDS[qtype]:
+        mag = np.exp2(rng.uniform(-8, -4, (n, k // block)))
+        val = (mag * rng.choice([-1.0, 1.0], mag.shape)).astype(np.float16)
+        blocks[:, :, off:off + 2] = val.view(np.uint8).reshape(n, k // block, 2)
+    return torch.from_numpy(raw)
+
+
+def int8_error_bound(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Per output, the most int8 activations can move it: each x value is off by at most half a step, d / 2 =
+    max|x over its block| / 254, so |err| <= sum_i |w_i| * blockmax_i / 254 (blocks of 32, K-quants 256)."""
+    block = 256 if qtype in K_QUANTS else 32
+    amax = x.abs().reshape(x.shape[0], -1, block).amax(-1).repeat_interleave(block, -1)
+    return amax @ w.abs().T / 254
+
+
+def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qtype: int, int8: bool) -> None:
+    xd, wd = x.double(), w.double()
+    ref = xd @ wd.T
+    scale = (xd.abs() @ wd.abs().T).max().item()  # what fp32 rounding is relative to
+    tol = 1e-5 * scale + (int8_error_bound(xd, wd, qtype) if int8 else 0.0)
+    if out.dtype == torch.bfloat16:
+        tol = tol + ref.abs() * 2.0 ** -8
+    err = (out.double() - ref).abs()
+    assert (err <= tol).all(), f"max error {err.max().item():.3g}, max allowed there {(tol - err).min().item():.3g}"
+
+
+def _packed(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    raw = random_rows(qtype, n, k, seed)
+    return raw, gb.interleave(raw, qtype), gb.dequantize(raw, qtype, k)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_matches_gguf_dequantize_then_matmul(isa: str, qtype: int, rows: int) -> None:
+    n, k = 37, 768  # N not a multiple of 4 (a padded group) nor 32; K = 3 super-blocks
+    _, packed, w = _packed(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    int8 = rows < 16 or isa == "scalar"  # 16+ rows: the fp32 tile path on exact weights
+    check(torch.ops.ember.linear_gguf_isa(x, packed, qtype, n, isa), x, w, qtype, int8)
+    xb = x.bfloat16()
+    out = torch.ops.ember.linear_gguf_isa(xb, packed, qtype, n, isa)
+    assert out.dtype == torch.bfloat16
+    check(out, xb.float(), w, qtype, int8)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+@pytest.mark.parametrize("n, k", [(1, 256), (5, 512), (64, 2048), (6, 32 * 11)])
+def test_shapes(isa: str, qtype: int, n: int, k: int) -> None:
+    if qtype in K_QUANTS and k % 256:
+        pytest.skip("K-quants need K to be a multiple of 256")
+    _, packed, w = _packed(qtype, n, k, seed=n + k)
+    x = torch.randn(3, 2, k, generator=torch.Generator().manual_seed(k))  # leading dims kept
+    out = torch.ops.ember.linear_gguf_isa(x, packed, qtype, n, isa)
+    assert out.shape == (3, 2, n)
+    check(out.reshape(6, n), x.reshape(6, k), w, qtype, True)
+
+
+@pytest.mark.parametrize("isa", [v for v in VARIANTS if v.id != "scalar"])
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_simd_variants_match_the_scalar_reference(isa: str, qtype: int) -> None:
+    """Same int8 activations, same integer dots: only fp32 summation order differs."""
+    _, packed, w = _packed(qtype, 45, 1024, seed=3)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 15):
+        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
+        got = torch.ops.ember.linear_gguf_isa(x, packed, qtype, 45, isa).double()
+        ref = torch.ops.ember.linear_gguf_isa(x, packed, qtype, 45, "scalar").double()
+        scale = (x.abs().double() @ w.abs().double().T).max().item()
+        assert (got - ref).abs().max().item() <= 2e-6 * scale
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_extreme_codes_do_not_overflow(isa: str, qtype: int) -> None:
+    """All code bytes 0xFF (Q8_0: -1 ... and 0x80: -128), activations at +-127: vpmaddubsw's int16 saturation
+    and the int32 sums must hold (Q6_K: codes 63, scales -1 / -128)."""
+    k = 512
+    for fill in (0xFF, 0x80, 0x7F):
+        raw = random_rows(qtype, 8, k, seed=fill, fill=fill)
+        packed, w = gb.interleave(raw, qtype), gb.dequantize(raw, qtype, k)
+        x = torch.ones(2, k)
+        x[1, 1::2] = -1.0
+        check(torch.ops.ember.linear_gguf_isa(x, packed, qtype, 8, isa), x, w, qtype, True)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_a_rows_result_does_not_depend_on_its_batch(isa: str) -> None:
+    for qtype in (2, 8, 12, 14):
+        _, packed, _ = _packed(qtype, 70, 512, seed=1)
+        x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2))
+        few, many = (torch.ops.ember.linear_gguf_isa(x[:r], packed, qtype, 70, isa) for r in (15, 40))
+        for r in (1, 2, 3, 8, 9):
+            assert torch.equal(torch.ops.ember.linear_gguf_isa(x[:r], packed, qtype, 70, isa), few[:r])
+        for r in (16, 17, 33):
+            assert torch.equal(torch.ops.ember.linear_gguf_isa(x[:r], packed, qtype, 70, isa), many[:r])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_interleave_is_a_byte_permutation(qtype: int) -> None:
+    raw = random_rows(qtype, 13, 512, seed=4)
+    packed = gb.interleave(raw, qtype)
+    assert packed.shape == (4, 4 * raw.shape[1]) and packed.dtype == torch.uint8
+    assert packed.numel() - raw.numel() == 3 * raw.shape[1]  # the file's bytes + 3 zero rows
+    assert torch.equal(gb.deinterleave(packed, qtype, 13), raw)
+    _, _, size = gb.GGUF_TYPES[qtype]
+    b, r = 1, 2  # block b of row 4 + r (group 1) at byte (4 b + r) * size of the group
+    assert torch.equal(packed[1, (4 * b + r) * size:(4 * b + r + 1) * size], raw[4 + r, b * size:(b + 1) * size])
+    assert torch.equal(torch.sort(packed.flatten()).values[3 * raw.shape[1]:], torch.sort(raw.flatten()).values)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_gguf_rows_are_gguf_dequantize_exactly(qtype: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    raw, packed, w = _packed(qtype, 13, 512, seed=5)
+    ids = torch.tensor([[0, 12], [5, 5]])
+    got = gb.rows(packed, ids, qtype, 13, torch.float32)
+    assert got.shape == (2, 2, 512) and torch.equal(got, w[ids])
+    assert torch.equal(gb.rows(packed, ids, qtype, 13, torch.bfloat16), w[ids].bfloat16())
+    monkeypatch.setattr(gb, "NATIVE_OPS", False)  # the fallbacks: same rows, and x @ W^T on the oracle
+    assert torch.equal(gb.rows(packed, ids, qtype, 13, torch.float32), w[ids])
+    x = torch.randn(2, 512)
+    torch.testing.assert_close(gb.linear(x, packed, qtype, 13), x @ w.T)
+
+
+def test_fake_kernels_match_the_real_ones() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import kernels_fake  # noqa: F401
+
+    _, packed, _ = _packed(12, 10, 512, seed=7)
+    x, ids = torch.randn(3, 512).bfloat16(), torch.tensor([1, 9])
+    real = torch.ops.ember.linear_gguf(x, packed, 12, 10)
+    real_rows = torch.ops.ember.gguf_rows(packed, ids, 12, 10, torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fx, fp, fi = mode.from_tensor(x), mode.from_tensor(packed), mode.from_tensor(ids)
+        fake = torch.ops.ember.linear_gguf(fx, fp, 12, 10)
+        fake_isa = torch.ops.ember.linear_gguf_isa(fx, fp, 12, 10, "scalar")
+        fake_rows = torch.ops.ember.gguf_rows(fp, fi, 12, 10, torch.bfloat16)
+    assert fake.shape == fake_isa.shape == real.shape == (3, 10) and fake.dtype == real.dtype
+    assert fake_rows.shape == real_rows.shape == (2, 512) and fake_rows.dtype == real_rows.dtype
+
+
+def test_torch_compile_fullgraph_equals_eager() -> None:
+    import kernels_fake  # noqa: F401
+
+    _, packed, _ = _packed(14, 40, 512, seed=8)
+
+    def f(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.ops.ember.gguf_rows(packed, ids, 14, 40, torch.float32) + x
+        return torch.ops.ember.linear_gguf(torch.relu(h), packed, 14, 40)
+
+    x, ids = torch.randn(2, 512), torch.tensor([3, 39])
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(x, ids), f(x, ids))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("qtype", "unsupported ggml type 1"),
+    ("k", "input has 256 features, weight expects 512"),
+    ("n", "not an interleaved weight of 13 rows"),
+    ("dtype", "bfloat16 or float32 input"),
+    ("packed_dtype", "contiguous uint8"),
+    ("bytes", "not 4 rows of whole 144-byte blocks"),
+])
+def test_bad_arguments_are_refused_clearly(bad: str, match: str) -> None:
+    _, packed, _ = _packed(12, 10, 512, seed=9)
+    x, qtype, n = torch.randn(2, 512), 12, 10
+    if bad == "qtype":
+        qtype = 1
+    elif bad == "k":
+        x = torch.randn(2, 256)
+    elif bad == "n":
+        n = 13
+    elif bad == "dtype":
+        x = x.half()
+    elif bad == "packed_dtype":
+        packed = packed.view(torch.int8)
+    elif bad == "bytes":
+        packed = packed[:, :-4].contiguous()
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.ember.linear_gguf(x, packed, qtype, n)
+    with pytest.raises(ValueError, match="unsupported ggml type 1"):
+        gb.interleave(torch.zeros(4, 36, dtype=torch.uint8), 1)
