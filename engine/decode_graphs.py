@@ -9,6 +9,11 @@ ember::linear_bf16 in bf16, plain in fp32), so all buckets share one copy and ea
 can be saved (dynamo's `aot_compile`) and loaded on the next start. Freezing would fold a copy of the weights into
 every bucket and bypass both the FX graph cache and the saved steps (DESIGN.md §3).
 
+The KV buffers' slot dimension (dim 0 of every k/v cache) is compiled symbolic: it only reaches the opaque
+`ember::decode_attention` op (which writes the new K/V and gathers the pool), so the generated code is the same as
+with a static size and one saved step runs on a pool of any size. The pool is sized from the memory free at start
+(engine/model_runner.py size_kv_pool), so a static slot count would make every restart compile afresh.
+
 With `background=True` the engine serves before every bucket is compiled: saved steps load at once, the others
 compile in a thread, largest first, and each is swapped in as it becomes ready. Until then a batch runs in the
 smallest ready bucket that holds it, or eagerly. Every path computes the same tokens (tests/test_decode_graphs.py).
@@ -53,6 +58,15 @@ class _Inputs:
 
     def view(self, bs: int) -> tuple[torch.Tensor, ...]:
         return self.input_ids[:bs], self.positions[:bs], self.req_rows[:bs], self.seq_lens[:bs], self.out_slots[:bs]
+
+
+def mark_slots_dynamic(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+    """Compile the KV buffers' slot dimension symbolic (see the module docstring). Window rings (engine/pools.py) have
+    a size fixed by the flags, but nothing is lost by marking them too: the dimension only reaches the custom op."""
+    import torch._dynamo
+
+    for t in (*k_caches, *v_caches):
+        torch._dynamo.mark_dynamic(t, 0)  # no min/max: torch 2.13 asserts on a range with only one bound
 
 
 class DecodeGraphs:
@@ -104,6 +118,7 @@ class DecodeGraphs:
             torch._dynamo.config.accumulated_recompile_limit = max(
                 torch._dynamo.config.accumulated_recompile_limit, 4 * len(self.buckets) + 16
             )
+            mark_slots_dynamic(k_caches, v_caches)
         order = sorted(self.buckets, reverse=True)
         pools = (req_to_token, k_caches, v_caches)
         if background and self.compiled:

@@ -139,13 +139,19 @@ class ModelRunner:
 
     def _decode_artifact_dir(self) -> Path | None:
         """Where the saved decode steps live: a folder named after everything a compiled step depends on (torch,
-        CPU, model shape, dtype, pool shapes, the engine's model/op/graph sources), so any change compiles anew."""
+        CPU, model shape, dtype, pool shapes, the engine's model/op/graph sources), so any change compiles anew.
+
+        Not the KV pool's slot count: the steps are compiled with it symbolic (engine/decode_graphs.py), and it
+        follows the memory free at start, so keying on it made every restart compile all buckets again. The request
+        table [rows + 1, max_context] and the window rings [rows * window + 1, ...] are fixed by the flags and stay."""
         if not self.config.compile_cache_dir:
             return None
         cfg, mc = self.config, self.model_config
+        rings = self.window_pool.k[0].shape if self.window_pool is not None else None
         parts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), repr(mc), cfg.dtype, cfg.cpp_wrapper,
-                 self.weights_tag,
-                 [tuple(k.shape) for k in self.k_caches], tuple(self.req_pool.table.shape)]
+                 self.weights_tag, "kv slots symbolic",
+                 [tuple(k.shape[1:]) for k in self.k_caches], tuple(self.req_pool.table.shape),
+                 None if rings is None else tuple(rings)]
         digest = hashlib.sha256(repr(parts).encode())
         root = Path(__file__).resolve().parent.parent
         for src in sorted(p for pattern in GRAPH_SOURCES for p in root.glob(pattern)):

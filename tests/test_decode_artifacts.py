@@ -53,12 +53,59 @@ def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None
         assert second.generate(prompts[:1], greedy) == want[:1]  # bucket 1 too
 
 
-def test_other_pool_shape_or_unreadable_step_compiles_again(make_tiny_model: Callable[..., Path],
-                                                            tmp_path: Path) -> None:
+def test_another_pool_size_loads_every_saved_step_and_decodes_as_eager(make_tiny_model: Callable[..., Path],
+                                                                       tmp_path: Path) -> None:
+    """The KV pool follows the memory free at start (or --max-total-tokens); its slot count is symbolic in the saved
+    steps, so a restart with another pool size loads every bucket instead of compiling them all again."""
+    folder = make_tiny_model("llama", tie_word_embeddings=True)
+    prompts = [[5, 9, 11, 40, 2], [7, 3]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = EngineCore(EngineConfig(model=str(folder), dtype="float32", max_total_tokens=512, max_running_requests=2,
+                                    disable_compile=True))
+    want = eager.generate(prompts, greedy)
+    torch._dynamo.reset()
+    first = _core(folder, tmp_path, max_total_tokens=512, dtype="float32")
+    assert all(o.startswith("compiled ahead of time") for o in first.runner.graphs.outcomes.values())
+    torch._dynamo.reset()  # as in a new process
+    other = _core(folder, tmp_path, max_total_tokens=1999, dtype="float32")
+    graphs = other.runner.graphs
+    assert other.runner.kv_pool.num_slots == 1999 and all(k.shape[0] == 2000 for k in other.runner.k_caches)
+    assert graphs.artifact_dir == first.runner.graphs.artifact_dir
+    assert sorted(graphs.outcomes) == [1, 2] and all(o.startswith("loaded") for o in graphs.outcomes.values())
+    assert max(graphs.compile_seconds.values()) < min(first.runner.graphs.compile_seconds.values())
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert other.generate(prompts, greedy) == want
+        assert other.generate(prompts[:1], greedy) == want[:1]
+    assert graphs.steps_per_bucket[2] > 0 and graphs.steps_per_bucket[1] > 0
+    assert sorted(p.name for p in (tmp_path / "decode-steps").iterdir()) == [graphs.artifact_dir.name]
+
+
+def test_the_pool_size_from_free_memory_does_not_change_the_saved_steps(make_tiny_model: Callable[..., Path],
+                                                                        tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --max-total-tokens the pool is a fraction of the memory free at start: two starts that see different
+    free memory name the same folder of saved steps (nothing is compiled here: the folder is only named)."""
+    import psutil
+
+    from engine.loader import open_checkpoint
+    from engine.model_runner import ModelRunner
+
+    folder = make_tiny_model("llama", tie_word_embeddings=True)
+    real = psutil.virtual_memory
+    dirs, slots = [], []
+    for free in (500_000, 800_000):  # bytes: 292 and 468 slots of 512 bytes (the cap is 2 x 256)
+        monkeypatch.setattr(psutil, "virtual_memory", lambda free=free: real()._replace(available=free))
+        config = EngineConfig(model=str(folder), dtype="float32", max_running_requests=2, max_context_len=256,
+                              compile_cache_dir=str(tmp_path), disable_compile=True)
+        runner = ModelRunner(config, open_checkpoint(str(folder)))
+        dirs.append(runner._decode_artifact_dir())
+        slots.append(runner.kv_pool.num_slots)
+    assert slots[0] != slots[1] and dirs[0] == dirs[1]
+
+
+def test_unreadable_step_compiles_again(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     folder = make_tiny_model("llama", tie_word_embeddings=True)
     first = _core(folder, tmp_path)
-    other = _core(folder, tmp_path, max_total_tokens=640)  # the pool's shape is part of every graph
-    assert other.runner.graphs.artifact_dir != first.runner.graphs.artifact_dir
     assert first.runner.graphs.artifact_dir is not None
     (first.runner.graphs.artifact_dir / "bucket-1.bin").write_bytes(b"not a saved step")
     torch._dynamo.reset()

@@ -2,8 +2,10 @@
 directory), report what the inductor caches did, and exit. A Docker image runs it at build time so that its
 containers start with the cache filled.
 
-The cache only helps a later `ember serve` whose settings produce the same graphs: same model, dtype, buckets,
-max running requests, context length and KV pool size (the pool's shape is part of every decode graph).
+The cache only helps a later `ember serve` whose settings produce the same graphs: same model, dtype, quantization,
+buckets, max running requests and context length. Not the KV pool size: the steps are compiled with the pool's slot
+count symbolic, so a server that sizes its pool from the memory free at start (or another --max-total-tokens) loads
+them all the same.
 """
 from __future__ import annotations
 
