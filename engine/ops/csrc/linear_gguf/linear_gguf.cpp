@@ -49,7 +49,7 @@ struct QuantizedActs {
   std::vector<int32_t> off;
 };
 
-// Per row, per block of qb (32 or 256): d = max|x| / 127, q = round(x / d) (nearest even), sums per 16.
+// Per row, per block of qb (32 or 256): d = max|x| / 127, q = round(x / d), sums per 16.
 // Portable C++ (O(rows K), against the kernel's O(rows N K)); every variant sees the same int8 values.
 void quantize(const float* x, int64_t rows, int64_t k, int64_t qb, int lane_offset, QuantizedActs& o) {
   o.q.resize(rows * k);
@@ -65,7 +65,12 @@ void quantize(const float* x, int64_t rows, int64_t k, int64_t qb, int lane_offs
     for (int64_t i = 0; i < qb; ++i) amax = std::fmax(amax, std::fabs(v[i]));
     const float d = amax / kGgufActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
     int8_t* q = o.q.data() + j * qb;
-    for (int64_t i = 0; i < qb; ++i) q[i] = static_cast<int8_t>(std::fmax(-127.0f, std::fmin(127.0f, std::nearbyint(v[i] * id))));
+    // Round half away from zero, branch-free so the loop vectorizes (SSE2: a libm-free cvttps2dq): |v id| <= 127
+    // (+ an ulp), so |q| <= 127 without a clamp.
+    for (int64_t i = 0; i < qb; ++i) {
+      const float t = v[i] * id;
+      q[i] = static_cast<int8_t>(static_cast<int>(t + std::copysign(0.5f, t)));
+    }
     o.d[j] = d;
     for (int64_t s = 0; s < qb / 16; ++s) {
       int sum = 0;

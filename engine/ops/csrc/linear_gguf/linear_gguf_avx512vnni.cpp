@@ -10,10 +10,18 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
 #include "common/simd_avx512.h"
-#include "linear_gguf/linear_gguf_decode.h"
+#include "linear_gguf/linear_gguf_policy256.h"
 
 namespace {
+struct VnniDot {  // vpdpbusd on ymm; Q8_0 made unsigned (codes + 128), the 128 sum(x) off through lane_offset
+  static constexpr bool kQ8Offset = true;
+  static __m256i dot(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
+  static __m256i dot_s8(__m256i w, __m256i x) { return dot(_mm256_xor_si256(w, g_mask8(0x80)), x); }
+  static __m256i bits_to_0x10(uint32_t qh) { return _mm256_maskz_mov_epi8(qh, g_mask8(0x10)); }
+};
+
 struct GAvx512 {
+  using Single = G256<VnniDot>;
   using I = __m512i;
   using F = __m512;
   static constexpr int R = 2;

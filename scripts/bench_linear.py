@@ -1,0 +1,129 @@
+"""Benchmark ember::linear_gguf (GGUF block bytes, int8 activations) against the machine's read bandwidth and
+against ember::linear_q on the same weights (gguf_repack.repack + format.pack), on Llama-3.2-1B shapes.
+
+Per type, kernel variant and row count: the linears of `--layers` distinct layers run in model order (q, k, v, o,
+gate+up fused, down), each call timed on its own, so the weight stream is larger than the caches and a shape's
+weights are never re-read warm. Reported per call: ms, weight GB/s (bytes the kernel reads per second: the file's
+bytes for linear_gguf) with its fraction of `ember::read_bandwidth` measured in the same run, and GFLOP/s.
+
+  .venv/bin/python scripts/bench_linear.py                      # everything (a few minutes, on an idle machine)
+  .venv/bin/python scripts/bench_linear.py --types Q4_K Q8_0 --rows 1 8
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from engine.ops.native import SUPPORTED_ISAS
+from engine.quant import gguf_blocks as gb
+from engine.quant.format import pack
+from engine.quant.gguf_repack import repack
+
+HIDDEN, KV, MLP = 2048, 512, 8192
+SHAPES = {"q/o 2048x2048": (HIDDEN, HIDDEN), "k/v 512x2048": (KV, HIDDEN), "gate+up 16384x2048": (2 * MLP, HIDDEN),
+          "down 2048x8192": (HIDDEN, MLP)}
+ORDER = ["q/o 2048x2048", "k/v 512x2048", "k/v 512x2048", "q/o 2048x2048", "gate+up 16384x2048", "down 2048x8192"]
+FP16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def random_rows(qtype: int, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """Random GGUF rows with sane fp16 fields (speed does not depend on the values)."""
+    _, block, size = gb.GGUF_TYPES[qtype]
+    raw = rng.integers(0, 256, (n, k // block * size), dtype=np.uint8)
+    blocks = raw.reshape(n, k // block, size)
+    for off in FP16_FIELDS[qtype]:
+        val = (np.exp2(rng.uniform(-8, -4, (n, k // block))) * rng.choice([-1.0, 1.0], (n, k // block)))
+        blocks[:, :, off:off + 2] = val.astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    return torch.from_numpy(raw)
+
+
+def weights(qtype: int, layers: int, rng: np.random.Generator) -> tuple[dict, dict]:
+    """Per shape, `layers` distinct copies of one random weight: interleaved GGUF bytes and linear_q's pack."""
+    new, old = {}, {}
+    for name, (n, k) in SHAPES.items():
+        raw = random_rows(qtype, n, k, rng)
+        p = pack(repack(raw.numpy(), GGMLQuantizationType(qtype), k))
+        copies = layers * ORDER.count(name)
+        new[name] = [(gb.interleave(raw, qtype), n) for _ in range(copies)]
+        old[name] = [(p.qweight.clone(), p.scales.clone(), None if p.mins is None else p.mins.clone(), p.n)
+                     for _ in range(copies)]
+    return new, old
+
+
+def nbytes(w: object) -> int:
+    return sum(t.numel() * t.element_size() for t in (w if isinstance(w, tuple) else (w,)) if
+               isinstance(t, torch.Tensor))
+
+
+def run(calls: list, rows: int, passes: int) -> dict[str, tuple[float, int, int]]:
+    """Per shape: (seconds per call, bytes per call, flops per call), median over passes of the per-pass mean."""
+    xs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, MLP)}
+    per: dict[str, list[float]] = {}
+    for p in range(passes + 1):  # pass 0 warms up
+        acc: dict[str, list[float]] = {}
+        for name, fn, w in calls:
+            x = xs[SHAPES[name][1]]
+            t0 = time.perf_counter()
+            fn(x, w)
+            acc.setdefault(name, []).append(time.perf_counter() - t0)
+        if p:
+            for name, ts in acc.items():
+                per.setdefault(name, []).append(sum(ts) / len(ts))
+    out = {}
+    for name, ts in per.items():
+        n, k = SHAPES[name]
+        w = next(w for nm, _, w in calls if nm == name)
+        out[name] = (float(np.median(ts)), nbytes(w), 2 * rows * n * k)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", nargs="*", default=[v[0] for v in gb.GGUF_TYPES.values()])
+    ap.add_argument("--rows", nargs="*", type=int, default=[1, 8, 32, 128])
+    ap.add_argument("--layers", type=int, default=16, help="distinct layers streamed at <= 8 rows")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-old", action="store_true", help="skip ember::linear_q")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    by_name = {v[0]: t for t, v in gb.GGUF_TYPES.items()}
+    tiers = {str(torch.ops.ember.linear_gguf_variant(t)): t for t in reversed(SUPPORTED_ISAS)}
+    tiers.pop("scalar", None)
+    buf = torch.ones(1 << 30, dtype=torch.uint8)
+    rng = np.random.default_rng(0)
+    print(f"threads {args.threads}, variants {', '.join(f'{v} (tier {t})' for v, t in tiers.items())}")
+    print(f"{'type':5} {'variant':10} {'op':11} {'rows':>4} {'shape':19} {'ms/call':>8} {'GB/s':>6} "
+          f"{'read':>5} {'frac':>5} {'GFLOP/s':>8}")
+    for tname in args.types:
+        qtype = by_name[tname]
+        new, old = weights(qtype, args.layers, rng)
+        bw = torch.ops.ember.read_bandwidth(buf, 5)
+        for variant, tier in tiers.items():
+            ops = [("linear_gguf", new,
+                    lambda x, w, t=tier: torch.ops.ember.linear_gguf_isa(x, w[0], qtype, w[1], t))]
+            if not args.no_old:
+                ops.append(("linear_q", old, lambda x, w, t=tier: torch.ops.ember.linear_q_isa(x, *w, t)))
+            for op, ws, fn in ops:
+                for rows in args.rows:
+                    layers = args.layers if rows <= 8 else 2  # many rows: compute-bound, the cache is no help
+                    it = {name: iter(ws[name]) for name in SHAPES}
+                    calls = [(name, fn, next(it[name])) for _ in range(layers) for name in ORDER]
+                    res = run(calls, rows, args.passes)
+                    tot_t = sum(res[nm][0] for nm in ORDER)
+                    tot_b = sum(res[nm][1] for nm in ORDER)
+                    tot_f = sum(res[nm][2] for nm in ORDER)
+                    lines = list(res.items()) + [("layer (6 calls)", (tot_t, tot_b, tot_f))]
+                    for name, (t, b, f) in lines:
+                        gbs = b / t / 1e9
+                        print(f"{tname:5} {variant:10} {op:11} {rows:4d} {name:19} {t * 1e3:8.3f} {gbs:6.1f} "
+                              f"{bw:5.1f} {gbs / bw:5.2f} {f / t / 1e9:8.1f}", flush=True)
+        del new, old
+
+
+if __name__ == "__main__":
+    main()
