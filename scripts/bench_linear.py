@@ -4,7 +4,8 @@ against ember::linear_q on the same weights (gguf_repack.repack + format.pack), 
 Per type, kernel variant and row count: the linears of `--layers` distinct layers run in model order (q, k, v, o,
 gate+up fused, down), each call timed on its own, so the weight stream is larger than the caches and a shape's
 weights are never re-read warm. Reported per call: ms, weight GB/s (bytes the kernel reads per second: the file's
-bytes for linear_gguf) with its fraction of `ember::read_bandwidth` measured in the same run, and GFLOP/s.
+bytes for linear_gguf) with its fraction of `ember::read_bandwidth` (the mean of one measured just before and one
+just after that run), and GFLOP/s.
 
   .venv/bin/python scripts/bench_linear.py                      # everything (a few minutes, on an idle machine)
   .venv/bin/python scripts/bench_linear.py --types Q4_K Q8_0 --rows 1 8
@@ -102,7 +103,6 @@ def main() -> None:
     for tname in args.types:
         qtype = by_name[tname]
         new, old = weights(qtype, args.layers, rng)
-        bw = torch.ops.ember.read_bandwidth(buf, 5)
         for variant, tier in tiers.items():
             ops = [("linear_gguf", new,
                     lambda x, w, t=tier: torch.ops.ember.linear_gguf_isa(x, w[0], qtype, w[1], t))]
@@ -110,10 +110,12 @@ def main() -> None:
                 ops.append(("linear_q", old, lambda x, w, t=tier: torch.ops.ember.linear_q_isa(x, *w, t)))
             for op, ws, fn in ops:
                 for rows in args.rows:
+                    before = torch.ops.ember.read_bandwidth(buf, 3)
                     layers = args.layers if rows <= 8 else 2  # many rows: compute-bound, the cache is no help
                     it = {name: iter(ws[name]) for name in SHAPES}
                     calls = [(name, fn, next(it[name])) for _ in range(layers) for name in ORDER]
                     res = run(calls, rows, args.passes)
+                    bw = (before + torch.ops.ember.read_bandwidth(buf, 3)) / 2  # around the run: the machine drifts
                     tot_t = sum(res[nm][0] for nm in ORDER)
                     tot_b = sum(res[nm][1] for nm in ORDER)
                     tot_f = sum(res[nm][2] for nm in ORDER)
