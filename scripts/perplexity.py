@@ -46,7 +46,12 @@ def token_ids(path: Path, text: str, llama_tokenize: str | None) -> list[int]:
 
 
 @torch.no_grad()
-def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: int) -> tuple[float, float, str]:
+def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: int,
+               rows_per_call: int = 0) -> tuple[float, float, str]:
+    """rows_per_call: 0 runs each context as one prefill (every linear call has ctx rows: the kernels' many-row
+    path); N > 0 runs it in chunks of N tokens over the growing KV cache, so every linear call has N rows: with
+    N < 16 the few-row path that decode steps take (int8 activations in ember::linear_gguf), scored on the same
+    tokens."""
     cfg = EngineConfig(model=str(path), dtype=dtype, quantization=quantization)
     ck = open_checkpoint(str(path))
     keep, mode = cfg.quantization_plan(ck.quantized_source)
@@ -54,16 +59,25 @@ def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: i
     mc = ck.config
     nlls: list[float] = []
     first = ctx // 2
+    step = rows_per_call
     for c in range(len(ids) // ctx):
         chunk = torch.tensor(ids[c * ctx:(c + 1) * ctx])
         k = [torch.zeros(ctx, mc.num_kv_heads, mc.head_dim, dtype=cfg.torch_dtype) for _ in range(mc.num_layers)]
         v = [torch.zeros_like(t) for t in k]
-        meta = ExtendMeta(out_slots=torch.arange(ctx), req_to_token=torch.arange(ctx).unsqueeze(0),
-                          req_rows=torch.tensor([0]), prefix_lens=torch.tensor([0]), extend_lens=torch.tensor([ctx]))
-        rows = torch.arange(first, ctx - 1)
-        logits = model(chunk, torch.arange(ctx), meta, k, v, logit_rows=rows).float()
-        nll = torch.nn.functional.cross_entropy(logits, chunk[rows + 1], reduction="none")
-        nlls += nll.tolist()
+        # The unscored first half fills the cache in one call (its numerics do not count), then the scored
+        # positions first .. ctx - 2 go in calls of `step` rows.
+        bounds = [0, *range(first, ctx - 1, step), ctx - 1] if rows_per_call else [0, ctx]
+        for start, end in zip(bounds, bounds[1:]):
+            meta = ExtendMeta(out_slots=torch.arange(start, end), req_to_token=torch.arange(ctx).unsqueeze(0),
+                              req_rows=torch.tensor([0]), prefix_lens=torch.tensor([start]),
+                              extend_lens=torch.tensor([end - start]))
+            rows = torch.arange(max(first, start), min(end, ctx - 1))
+            if not len(rows):  # the fill: only its last row's logits are computed, and dropped
+                model(chunk[start:end], torch.arange(start, end), meta, k, v, logit_rows=torch.tensor([end - start - 1]))
+                continue
+            logits = model(chunk[start:end], torch.arange(start, end), meta, k, v, logit_rows=rows - start).float()
+            nll = torch.nn.functional.cross_entropy(logits, chunk[rows + 1], reduction="none")
+            nlls += nll.tolist()
     mean = sum(nlls) / len(nlls)
     var = sum((x - mean) ** 2 for x in nlls) / (len(nlls) - 1)
     ppl = math.exp(mean)
@@ -78,14 +92,18 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--llama-tokenize", default=None, help="llama.cpp's llama-tokenize, for its token ids")
+    p.add_argument("--rows-per-call", type=int, default=0,
+                   help="score in chunks of this many tokens (< 16: the decode kernels' path); 0: one prefill")
     args = p.parse_args()
     text = args.text.read_text()
     text = text[:-1] if text.endswith("\n") else text  # llama.cpp's -f drops one trailing newline
-    print("| file | quantization | dtype | tokens | chunks | PPL | weights |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print("| file | quantization | dtype | rows per call | tokens | chunks | PPL | weights |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in args.files:
         ids = token_ids(path, text, args.llama_tokenize)
-        ppl, err, weights = perplexity(path, ids, args.quantization, args.dtype, args.ctx)
-        print(f"| {path.name} | {args.quantization} | {args.dtype} | {len(ids)} | {len(ids) // args.ctx} | "
+        ppl, err, weights = perplexity(path, ids, args.quantization, args.dtype, args.ctx, args.rows_per_call)
+        print(f"| {path.name} | {args.quantization} | {args.dtype} | {args.rows_per_call or args.ctx} | {len(ids)} | "
+              f"{len(ids) // args.ctx} | "
               f"{ppl:.4f} +- {err:.4f} | {weights} |", flush=True)
     return 0
 

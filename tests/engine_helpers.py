@@ -61,3 +61,22 @@ class ManualBatch:
             # the last sampled token was never fed back, so its K/V is not in the pool
             self.runner.kv_pool.free(self.runner.req_pool.table[row, : len(seq) - 1].to(torch.int64))
             self.runner.req_pool.free(row)
+
+
+def assert_greedy_close(ours: list[torch.Tensor], ref: list[torch.Tensor], cosine: float) -> float:
+    """Per request, every step's logits at least `cosine`-similar to the reference's and the same greedy token, up
+    to a divergence that is allowed only where the reference's top two logits are closer than the two sides'
+    largest difference at that step (a tie within the error present); after it the two decode different tokens,
+    so that request's comparison stops. Returns the largest error seen, as a fraction of the step's max logit."""
+    worst = 0.0
+    for row in range(ours[0].shape[0]):
+        for step, (a, b) in enumerate(zip(ours, ref)):
+            err = float((a[row] - b[row]).abs().max())
+            worst = max(worst, err / float(b[row].abs().max()))
+            cos = float(torch.nn.functional.cosine_similarity(a[row], b[row], dim=0))
+            assert cos >= cosine, f"request {row}, step {step}: cosine {cos:.6f}"
+            if int(a[row].argmax()) != int(b[row].argmax()):
+                top2 = b[row].topk(2).values
+                assert float(top2[0] - top2[1]) <= 2 * err, f"request {row} diverged at step {step} off a near-tie"
+                break
+    return worst

@@ -27,7 +27,7 @@ from engine.model_runner import ExtendChunk, ModelRunner
 from engine.pools import KVPool
 from engine.quant.module import quantized_weights
 from engine.sampling_params import SamplingParams
-from engine_helpers import ManualBatch, make_runner, random_prompts
+from engine_helpers import ManualBatch, assert_greedy_close, make_runner, random_prompts
 from scheduler_helpers import Arrival, Driver, assert_idle_and_empty, run_solo, tiny_engine
 from tiny_gguf import add_weight, finish, shape_writer
 from tiny_models import tiny_tokenizer
@@ -326,9 +326,10 @@ def test_gguf_layer_pattern_and_quantized_weights(make_gemma3, tmp_path: Path) -
     dense = ModelRunner(config, open_checkpoint(str(path)))
     prompts = random_prompts([20, 3, 11], native.model_config.vocab_size, seed=2)
     ours, ref = ManualBatch(native, prompts), ManualBatch(dense, prompts)
-    assert ours.decode(DECODE_STEPS) == ref.decode(DECODE_STEPS)
-    for a, b in zip([ours.prefill_logits, *ours.step_logits], [ref.prefill_logits, *ref.step_logits]):
-        assert (a - b).abs().max() <= 2e-3 * b.abs().max()
+    ours.decode(DECODE_STEPS)
+    ref.decode(DECODE_STEPS)
+    # int8 activations in the decode linears (ember::linear_gguf), through 6 layers: cosine 0.99983 measured
+    assert_greedy_close([ours.prefill_logits, *ours.step_logits], [ref.prefill_logits, *ref.step_logits], 0.999)
     patterned = write_gemma3_gguf(folder, tmp_path / "pattern.gguf", pattern=[True, False] * 3)
     assert open_checkpoint(str(patterned)).config.window_layers == (0, 2, 4)
     assert open_checkpoint(str(write_gemma3_gguf(folder, tmp_path / "p3.gguf", pattern=3))).config.window_layers == (

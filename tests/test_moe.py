@@ -21,7 +21,7 @@ from engine.model.moe import sparse_layers
 from engine.model_runner import ModelRunner
 from engine.ops.moe import moe_experts
 from engine.quant.module import QuantizedWeight
-from engine_helpers import ManualBatch, random_prompts
+from engine_helpers import ManualBatch, assert_greedy_close, random_prompts
 from tiny_gguf import add_weight, finish, gguf_name, llama_cpp_permute, shape_writer
 from tiny_models import tiny_tokenizer
 
@@ -254,9 +254,10 @@ def test_gguf_quantized_experts_stay_quantized(tiny_moe, tmp_path: Path) -> None
         assert isinstance(moe.gate, torch.Tensor), "the router stays dense"
     prompts = random_prompts([5, 23], native.model_config.vocab_size, seed=4)
     a, b = ManualBatch(native, prompts), ManualBatch(exact, prompts)
-    assert a.decode(8) == b.decode(8)
-    for x, y in zip([a.prefill_logits, *a.step_logits], [b.prefill_logits, *b.step_logits]):
-        assert (x - y).abs().max() <= 2e-3 * y.abs().max()
+    a.decode(8)
+    b.decode(8)
+    # the attention linears take int8 activations in decode steps (ember::linear_gguf): near-ties may tip
+    assert_greedy_close([a.prefill_logits, *a.step_logits], [b.prefill_logits, *b.step_logits], 0.9999)
 
 
 def test_quantized_at_load_and_prepared_copy(tiny_moe, tmp_path: Path) -> None:

@@ -272,8 +272,9 @@ def test_gguf_fused_weights_stay_quantized(make_phi3, tmp_path: Path) -> None:
     prompts = random_prompts(CROSSING, native.model_config.vocab_size, seed=2)
     ours, ref = ManualBatch(native, prompts), ManualBatch(dense, prompts)
     assert ours.decode(DECODE_STEPS) == ref.decode(DECODE_STEPS)
+    # int8 activations in the decode linears (ember::linear_gguf): within 1 % of the max logit (0.5 % measured)
     for a, b in zip([ours.prefill_logits, *ours.step_logits], [ref.prefill_logits, *ref.step_logits]):
-        assert (a - b).abs().max() <= 2e-3 * b.abs().max()
+        assert (a - b).abs().max() <= 1e-2 * b.abs().max()
 
 
 def test_gguf_with_one_rope_factor_tensor_is_refused(make_phi3, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
 
 from conftest import MakeTinyModel
 from engine.config import EngineConfig
@@ -15,10 +16,11 @@ from engine.loader import open_checkpoint
 from engine.loader.prepared import PreparedModel
 from engine.model_runner import ModelRunner
 from engine.quant.module import QuantizedWeight, quantized_weights
-from engine_helpers import ManualBatch, random_prompts
+from engine_helpers import ManualBatch, assert_greedy_close, random_prompts
 from tiny_gguf import write_tiny_gguf
 
 GGUF_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]  # the types this gguf package can write
+K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]  # random blocks (tiny_gguf.random_k_blocks), on a 256-wide model
 
 
 def _runner(path: Path, quantization: str, *, compile: bool = False, group: int = 32,
@@ -37,25 +39,71 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], steps: int = 16) ->
     return seqs, batch
 
 
+# Activations are int8 below 16 rows (ember::linear_gguf, as llama.cpp's): each value within 2^-8 of its block's
+# max, per 32 inputs for the 32-value types and per 256 for the K-quants. Through 2 layers and the head of these
+# random models the logits stayed within 0.3 % of their max for the 32-value types (cosine > 0.99999); the K-quants'
+# coarser blocks on random weights, whose outputs cancel (an output ~sqrt(K) x smaller than the sum the error
+# scales with), drift more: Q6_K up to ~15 % of the max logit within 16 steps. On a real model the same kernels
+# score SmolLM2's perplexity within 0.3 % of llama.cpp's (README "Quantized weights").
+def min_cosine(qtype: T) -> float:
+    return 0.99 if qtype in K_TYPES else 0.9999
+
+
 @pytest.fixture(scope="module")
 def tiny(make_tiny_model: MakeTinyModel) -> Path:
     return make_tiny_model("llama", tie_word_embeddings=True)
 
 
-@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
-def test_gguf_native_formats_match_their_dequantized_weights(tiny: Path, tmp_path: Path, qtype: T) -> None:
-    path = write_tiny_gguf(tiny, tmp_path / f"{qtype.name}.gguf", qtype=qtype)
+@pytest.fixture(scope="module")
+def wide(make_tiny_model: MakeTinyModel) -> Path:
+    """Every weight's rows a multiple of 256 inputs, as K-quant blocks need."""
+    return make_tiny_model("llama", tie_word_embeddings=True, hidden_size=256, intermediate_size=512, head_dim=64)
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES + K_TYPES, ids=lambda t: t.name)
+def test_gguf_native_formats_match_their_dequantized_weights(tiny: Path, wide: Path, tmp_path: Path,
+                                                             qtype: T) -> None:
+    path = write_tiny_gguf(wide if qtype in K_TYPES else tiny, tmp_path / f"{qtype.name}.gguf", qtype=qtype)
     native, exact = _runner(path, "auto"), _runner(path, "none")
     formats = {s for w in quantized_weights(native.model).values() for s in w.sources()}
     assert formats == {qtype.name}, "every linear weight and the tied head stay in the file's format"
     assert not quantized_weights(exact.model)
     prompts = random_prompts([5, 37, 12], vocab=native.model_config.vocab_size, seed=1)
-    ours, ob = _generate(native, prompts)
-    ref, rb = _generate(exact, prompts)
-    assert ours == ref, "16 greedy steps of each request match the dequantized fp32 path"
-    for a, b in zip([ob.prefill_logits, *ob.step_logits], [rb.prefill_logits, *rb.step_logits]):
-        assert (a - b).abs().max() <= 2e-3 * b.abs().max()
+    _, ob = _generate(native, prompts)
+    _, rb = _generate(exact, prompts)
+    worst = assert_greedy_close([ob.prefill_logits, *ob.step_logits], [rb.prefill_logits, *rb.step_logits],
+                                min_cosine(qtype))
+    print(f"{qtype.name}: logits within {worst:.2%} of their max")
     assert native.kv_pool.available_size() == native.kv_pool.num_slots
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0, *K_TYPES], ids=lambda t: t.name)
+def test_gguf_weights_hold_the_files_bytes(wide: Path, tmp_path: Path, qtype: T) -> None:
+    """Quantized weights keep the file's blocks: their bytes are the file's tensor bytes plus at most 3 zero rows
+    per weight (rows are interleaved by 4), and the whole model within 3 % of the file's tensors."""
+    path = write_tiny_gguf(wide, tmp_path / f"{qtype.name}.gguf", qtype=qtype)
+    runner = _runner(path, "auto")
+    tensors = GGUFReader(path).tensors
+    quantized_file = sum(int(t.n_bytes) for t in tensors if t.tensor_type == qtype)
+    weights = quantized_weights(runner.model).values()
+    row_bytes = {int(t.n_bytes) // int(t.shape[1]) for t in tensors if t.tensor_type == qtype}
+    held = sum(w.nbytes() for w in weights)
+    assert quantized_file <= held <= quantized_file + 3 * max(row_bytes) * sum(len(w.parts) for w in weights)
+    assert runner.weight_bytes <= 1.03 * sum(int(t.n_bytes) for t in tensors)
+    assert runner.file_bytes == path.stat().st_size
+
+
+def test_bf16_gguf_is_served_in_bf16(tiny: Path, tmp_path: Path) -> None:
+    """A GGUF without quantized weights runs like a bf16 HF folder: --dtype auto is bfloat16 and the linears
+    stay 16-bit (no float32 copy of a 16-bit file)."""
+    path = write_tiny_gguf(tiny, tmp_path / "bf16.gguf", qtype=T.BF16)
+    config = EngineConfig(model=str(path), max_total_tokens=1024, max_running_requests=2, decode_buckets=(1,),
+                          disable_compile=True)
+    runner = ModelRunner(config, open_checkpoint(str(path)))
+    assert runner.config.dtype == "bfloat16" and not quantized_weights(runner.model)
+    assert runner.weight_bytes <= 1.03 * sum(int(t.n_bytes) for t in GGUFReader(path).tensors
+                                             if t.tensor_type == T.BF16) + sum(
+        int(t.n_elements) * 2 for t in GGUFReader(path).tensors if t.tensor_type == T.F32)
 
 
 def test_batch_mates_do_not_change_a_requests_logits(tiny: Path, tmp_path: Path) -> None:

@@ -201,19 +201,25 @@ def test_sigterm_while_compiling_exits_0_at_once(tiny_model: Path, tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_smollm2_answers_paris(tmp_path: Path) -> None:
-    """As served by default: the GGUF's own Q4_1 (and Q8_0 head) weights, fp32 activations (--dtype auto)."""
+def test_smollm2_answers_served_by_default(tmp_path: Path) -> None:
+    """As served by default: the GGUF's own Q4_1 (and Q8_0 head) blocks, fp32 activations (--dtype auto), int8
+    activations inside the decode linears. Not the capital of France: its first token is a 0.08-logit near-tie
+    that int8 activations tip to "L'Étoile, la Marseillaise", as llama.cpp's llama-server answers on this very
+    file (test_smollm2.py asserts Paris on the exact fp32 path)."""
     args = ["--disable-compile", "--max-total-tokens", "4096", "--max-running-requests", "1"]
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    question = [{"role": "user", "content": "What is 2 + 2?"}]
     with run_server(args, tmp_path / "smollm2.log", timeout=300) as srv:
         smol = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = smol.models.list().data[0].id
         res = smol.chat.completions.create(model=model, temperature=0, max_tokens=30, messages=question)
         answer = res.choices[0].message.content
-        assert "Paris" in answer, answer
+        assert "4" in answer, answer
         streamed = smol.chat.completions.create(model=model, temperature=0, max_tokens=30, stream=True,
                                                 messages=question)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
         info = httpx.get(srv.base_url + "/get_server_info").json()
         assert info["quantization"] == {"mode": "auto", "weights": "native", "formats": {"Q4_1": 120, "Q8_0": 1}}
-        assert info["dtype"] == "float32" and info["isa"]["linear_q"] in ("avx2", "avx512vnni")
+        assert info["dtype"] == "float32" and info["isa"]["linear_gguf"] in ("avx2", "avx512vnni")
+        # the file's own blocks: within 3 % of the GGUF (whose header, a few MB of tokenizer, is in file_bytes)
+        weights = info["weights"]
+        assert 0.90 * weights["file_bytes"] <= weights["resident_bytes"] <= 1.03 * weights["file_bytes"], weights

@@ -1,6 +1,9 @@
 """The real embedded model, SmolLM2-135M-Instruct from its GGUF, against transformers fp32 (the oracle)."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ from engine.quant.module import quantized_weights
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
 NEAR_TIE = 0.01  # DESIGN.md §7: a divergence is acceptable only where the reference's top two logits are this close
 QUESTIONS = [
     "What is the capital of France?",
@@ -82,19 +86,35 @@ def agreeing_prefix(ours: list[int], ref: list[int]) -> int:
 
 
 def test_native_q4_1_against_transformers_fp32(native_core: EngineCore, smollm2_hf_fp32) -> None:
-    """Quality of the served default: how many of the first 32 greedy tokens agree with transformers fp32 on the
-    same (dequantized) weights. Measured on AVX2: all 32 on every prompt in fp32 (the default: --dtype auto); bf16 in the README."""
+    """Quality of the served default, greedy: how many of the first 32 tokens agree with transformers fp32 on the
+    same (dequantized) weights, printed. Not asserted token for token: the decode linears quantize activations to
+    int8 (as llama.cpp does) and near-ties tip within a few tokens (the France answer's first token is a
+    0.08-logit tie: [0, 12, 9, 0] of 32 agreed in fp32 on the AMX Xeon); test_decode_path_perplexity judges
+    the quality by perplexity instead."""
     hf, tok, _ = smollm2_hf_fp32
     assert quantized_weights(native_core.runner.model), "the default model is served in its own Q4_1 format"
     prompts = [_chat_ids(tok, q) for q in QUESTIONS]
     ours = native_core.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     agree = [agreeing_prefix(out, _hf_greedy(hf, p, 32)[0]) for p, out in zip(prompts, ours)]
-    dtype = native_core.runner.config.dtype
-    print(f"{dtype}: agreeing prefix of 32 tokens per prompt: {agree}")
-    if dtype == "float32":
-        # int16 activations and the fp32 tile path leave the kernels fp32-exact to ~2^-16: the answer and the
-        # agreement of the exact path (near-ties aside)
-        assert "Paris" in tok.decode(ours[0][:24])
-        assert sum(agree) >= 4 * 24, agree
-    else:  # bf16 activations round every layer's input: the near-tied first token of the France answer can flip
-        assert sum(agree) >= 16, agree
+    print(f"{native_core.runner.config.dtype}: agreeing prefix of 32 tokens per prompt: {agree}")
+    assert all(len(out) == 32 for out in ours) and sum(agree) >= 8, agree
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_path_perplexity(smollm2_hf_fp32, dtype: str) -> None:
+    """The default model's perplexity on two 512-token chunks of scripts/data/gpl-3.txt, scored in calls of 8
+    rows (the decode steps' kernel path: int8 activations in ember::linear_gguf), within 2 % of the exact path
+    (--quantization none, fp32: the Q4_1 weights dequantized, no activation quantization). Measured: 17.73 exact,
+    17.91 / 17.90 native fp32 / bf16 (+1.0 %; on all 14 chunks Ember's 18.32 is below llama-perplexity's 18.35 on
+    this file, which quantizes activations the same way)."""
+    _, _, path = smollm2_hf_fp32
+    spec = importlib.util.spec_from_file_location("perplexity", REPO / "scripts" / "perplexity.py")
+    ppl_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ppl_script)  # type: ignore[union-attr]
+    text = ppl_script.TEXT.read_text()
+    ids = ppl_script.token_ids(path, text, None)[: 2 * 512]
+    exact, _, _ = ppl_script.perplexity(path, ids, "none", "float32", 512)
+    native, _, weights = ppl_script.perplexity(path, ids, "auto", dtype, 512, rows_per_call=8)
+    print(f"exact {exact:.4f}, native {dtype} in 8-row calls {native:.4f} ({weights})")
+    assert "linear_gguf" in weights
+    assert abs(native / exact - 1) < 0.02, (native, exact)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
@@ -80,10 +80,39 @@ def shape_writer(out: Path, arch: str, name: str, cfg: PretrainedConfig) -> GGUF
     return w
 
 
+# Where each K-quant block keeps its fp16 super-block scales (d, and dmin for Q4_K / Q5_K).
+_K_FP16_FIELDS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
+                  GGMLQuantizationType.Q6_K: (208,)}
+
+
+def random_k_blocks(values: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    """Random K-quant blocks for a weight of `values`' shape (the gguf package cannot quantize to K-quants): random
+    bytes with positive fp16 super-block scales near 2^-12 (and Q6_K's sub-scales 1..32), so every weight stays
+    well below 1 like a trained one.
+    A random model all the same: tests compare two ways of serving the same file, never the source weights."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = int(np.prod(values.shape[:-1])), values.shape[-1]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for off in _K_FP16_FIELDS[qtype]:
+        d = np.exp2(rng.uniform(-13, -11, raw.shape[:2])).astype(np.float16)
+        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    if qtype == GGMLQuantizationType.Q6_K:  # its 16 int8 sub-scales: 1..32, the magnitudes of the 6-bit ones
+        raw[:, :, 192:208] = rng.integers(1, 33, (*raw.shape[:2], 16), dtype=np.uint8)
+    return raw.reshape(*values.shape[:-1], cols // block * size)
+
+
 def add_weight(w: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQuantizationType | None) -> None:
-    """The tensor as it is, or quantized to `qtype` when it is a weight matrix (or a stack of them)."""
+    """The tensor as it is, or quantized to `qtype` when it is a weight matrix (or a stack of them); K-quants are
+    random blocks of the same shape (random_k_blocks)."""
     if qtype is not None and values.ndim >= 2:
-        w.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+        if qtype in _K_FP16_FIELDS:
+            data = random_k_blocks(values, qtype, seed=sum(name.encode()))
+        elif qtype == GGMLQuantizationType.BF16:
+            data = torch.from_numpy(values).to(torch.bfloat16).view(torch.uint8).numpy()  # round to nearest even
+        else:
+            data = quantize(values, qtype)
+        w.add_tensor(name, data, raw_dtype=qtype)
     else:
         w.add_tensor(name, values)
 

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.loader.gguf_file import GGUFTensors, gguf_chat_template, read_gguf_config
 from engine.loader.hf import iter_hf_tensors, read_hf_config
-from engine.quant.format import QuantizedTensor
+from engine.quant.gguf_tensor import AnyQuantized
 from engine.loader.model_config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -36,6 +36,7 @@ __all__ = [
     "model_config_from_hf",
     "open_checkpoint",
     "resolve_model_path",
+    "weight_file_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,8 @@ class LoadedCheckpoint:
     config: ModelConfig
     # Each call opens the checkpoint afresh and yields (HF name, tensor) one at a time. tensors(True) keeps a GGUF's
     # quantized weights in Ember's format (engine/quant/); a HF folder's are dense either way.
-    tensors: Callable[..., Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]
-    quantized_source: bool = False  # a GGUF (whose formats --quantization auto serves)
+    tensors: Callable[..., Iterator[tuple[str, torch.Tensor | AnyQuantized]]]
+    quantized_source: bool = False  # a GGUF with quantized weights (whose formats --quantization auto serves)
 
 
 def open_checkpoint(path: str | None) -> LoadedCheckpoint:
@@ -76,7 +77,7 @@ def open_checkpoint(path: str | None) -> LoadedCheckpoint:
         return LoadedCheckpoint(read_hf_config(resolved), partial(_hf_tensors, resolved))
     reader = GGUFReader(resolved)
     config = read_gguf_config(resolved, reader)
-    return LoadedCheckpoint(config, GGUFTensors(resolved, config, reader), quantized_source=True)
+    return LoadedCheckpoint(config, GGUFTensors(resolved, config, reader), quantized_source=config.quantized)
 
 
 def _hf_tensors(folder: Path, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -96,6 +97,14 @@ def load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:
     if not tok.chat_template:
         logger.warning("%s has no chat template: chat requests will be refused", resolved)
     return tok
+
+
+def weight_file_bytes(path: str | None) -> int:
+    """Bytes of the checkpoint's weight files on disk: the .gguf (its header included, a few MB of tokenizer) or a
+    folder's .safetensors shards. The load log and /get_server_info set the weights' bytes in memory beside it."""
+    resolved = _resolve(path)
+    files = [resolved] if resolved.is_file() else sorted(resolved.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
 
 
 def resolve_model_path(path: str | None) -> Path:

@@ -1,7 +1,9 @@
 """Load a single .gguf file: config through transformers, tensors under their HF names: quantized linear weights of
-the types Ember's kernels run kept quantized (engine/quant/gguf_repack.py), every other tensor dequantized to fp32."""
+the types Ember's kernels run kept in the file's own blocks (engine/quant/gguf_tensor.py; mixture-of-experts experts
+repacked into Ember's format, engine/quant/gguf_repack.py), every other tensor dequantized to fp32."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -25,8 +27,8 @@ from engine.loader.gguf_phi3 import (
 from engine.loader.gguf_gemma3 import GEMMA3_BLOCK_NAMES, fix_gemma3_config, gemma3_norm_offset
 from engine.loader.gguf_moe import is_moe_tensor, moe_gguf_config, moe_tensors
 from engine.loader.model_config import ModelConfig, UnsupportedModelError, model_config_from_hf
-from engine.quant.format import QuantizedTensor
-from engine.quant.gguf_repack import SUPPORTED_GGUF_TYPES, repack
+from engine.quant.gguf_tensor import NATIVE_GGUF_TYPES, GGUFTensor
+from engine.quant.gguf_tensor import AnyQuantized
 
 log = logging.getLogger("ember.loader")
 
@@ -94,7 +96,9 @@ def read_gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
     eos = [_metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     if arch == "phi3":
         eos += phi3_end_of_turn_ids(reader)
-    return model_config_from_hf(cfg, name=path.stem, extra_eos_token_ids=[int(e) for e in eos if e is not None])
+    mc = model_config_from_hf(cfg, name=path.stem, extra_eos_token_ids=[int(e) for e in eos if e is not None])
+    quantized = any(len(t.shape) > 1 and t.tensor_type in NATIVE_GGUF_TYPES for t in reader.tensors)
+    return dataclasses.replace(mc, quantized=quantized)
 
 
 def gguf_chat_template(path: Path) -> str | None:
@@ -114,15 +118,16 @@ class GGUFTensors:
         self._config = config
         self._reader: GGUFReader | None = reader
 
-    def __call__(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    def __call__(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | AnyQuantized]]:
         reader, self._reader = self._reader or GGUFReader(self._path), None
         return iter_gguf_tensors(reader, self._config, keep_quantized)
 
 
 def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, keep_quantized: bool = False,
-                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+                      ) -> Iterator[tuple[str, torch.Tensor | AnyQuantized]]:
     """Yield (HF parameter name, tensor) one at a time: fp32, dequantized (only the current one is in memory), or
-    with keep_quantized, a QuantizedTensor for each 2-D weight of a type the kernels run (the log names the rest)."""
+    with keep_quantized, a GGUFTensor (the file's bytes) for each 2-D weight of a type the kernels run (the log
+    names the rest)."""
     arch = _metadata(reader, "general.architecture")
     permuted = arch in _PERMUTED_QK_ARCHITECTURES
     widened: dict[str, list[str]] = {}
@@ -134,8 +139,9 @@ def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, keep_quantized: b
             continue
         hf_name = hf_tensor_name(t.name, arch)
         if keep_quantized and len(t.shape) == 2:
-            if t.tensor_type in SUPPORTED_GGUF_TYPES:
-                q = repack(t.data, t.tensor_type, int(t.shape[0]))
+            if t.tensor_type in NATIVE_GGUF_TYPES:
+                # A copy out of the read-only memory map (torch refuses to alias it), one tensor at a time.
+                q = GGUFTensor(torch.from_numpy(np.array(t.data)), t.tensor_type, int(t.shape[0]))
                 yield hf_name, _unpermute_quantized(q, hf_name, config) if permuted else q
                 continue
             widened.setdefault(t.tensor_type.name, []).append(t.name)
@@ -183,8 +189,8 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def _unpermute_quantized(q: QuantizedTensor, hf_name: str, config: ModelConfig) -> QuantizedTensor:
-    """_unpermute_rope_rows for a quantized weight: the format is row-major, so the rows move whole."""
+def _unpermute_quantized(q: GGUFTensor, hf_name: str, config: ModelConfig) -> GGUFTensor:
+    """_unpermute_rope_rows for a quantized weight: a row is a run of whole blocks, so the rows move whole."""
     if hf_name.endswith("q_proj.weight"):
         heads = config.num_heads
     elif hf_name.endswith("k_proj.weight"):

@@ -70,6 +70,9 @@ class ModelConfig:
     local_rope_theta: float = 0.0  # rope base of the window layers when it differs from rope_theta (Gemma 3)
     query_scale: float = 0.0  # attention's score scale; 0: head_dim ** -0.5
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+    # The checkpoint stores weights in quantized types Ember serves as they are (a Q4_K_M GGUF; not a bf16 GGUF
+    # or a HF folder): --quantization auto keeps them, and --dtype auto then runs float32 activations.
+    quantized: bool = False
 
     @property
     def q_size(self) -> int:

@@ -19,8 +19,9 @@ from engine.model.llama import LINEAR_WEIGHTS, LlamaModel
 from engine.model.moe import ExpertLoader, pack_experts, quantize_experts
 from engine.model.rope import inv_freq_and_scaling, longrope_long_table, rope_table
 from engine.ops.linear import can_pack, pack_linear_weight
-from engine.quant.format import QuantizedTensor, dequantize
-from engine.quant.module import QuantizedWeight, install
+from engine.quant.format import QuantizedTensor
+from engine.quant.gguf_tensor import AnyQuantized, GGUFTensor
+from engine.quant.module import QuantizedWeight, dequantize_any, install
 from engine.quant.quantize import quantize_weight
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -74,13 +75,13 @@ _FUSED_SHARDS: dict[str, tuple[str, ...]] = {"qkv_proj": ("q", "k", "v"), "gate_
 
 
 def build_model(
-    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], dtype: torch.dtype,
+    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor | AnyQuantized]], dtype: torch.dtype,
     max_positions: int, pack: bool = True, quantize: str | None = None, group: int = 32,
 ) -> LlamaModel:
     """pack: dense linear weights in the ember::linear_bf16/f32 layout where this CPU runs it (False: plain [N, K]).
     quantize: "int8" or "int4" (with `group`) quantizes every dense linear weight (engine/quant/quantize.py)."""
     model = model_on_meta(cfg, max_positions)
-    pending: dict[tuple[nn.Module, str], dict[str | None, QuantizedTensor]] = {}
+    pending: dict[tuple[nn.Module, str], dict[str | None, AnyQuantized]] = {}
     experts = ExpertLoader(model, dtype)  # routers and experts of the sparse layers (engine/model/moe.py)
 
     for name, tensor in tensors:
@@ -100,7 +101,7 @@ def build_model(
         if target is None:
             raise ValueError(f"unexpected weight {name!r} in checkpoint for architecture {cfg.architecture}")
         module, attr, shard = target
-        if isinstance(tensor, QuantizedTensor):
+        if isinstance(tensor, (QuantizedTensor, GGUFTensor)):
             pending.setdefault((module, attr), {})[shard] = tensor
             continue
         param = getattr(module, attr)
@@ -125,7 +126,7 @@ def build_model(
     return model.eval()
 
 
-def _place_quantized(cfg: ModelConfig, module: nn.Module, attr: str, shards: dict[str | None, QuantizedTensor],
+def _place_quantized(cfg: ModelConfig, module: nn.Module, attr: str, shards: dict[str | None, AnyQuantized],
                      dtype: torch.dtype) -> None:
     """All shards quantized: install them as one QuantizedWeight (in shard order). A fused weight whose other
     shards came dense (an F16 attn_v beside Q4_K attn_q, say) is served dense: its quantized shards are
@@ -143,7 +144,7 @@ def _place_quantized(cfg: ModelConfig, module: nn.Module, attr: str, shards: dic
         setattr(module, attr, param)
     for shard, q in shards.items():
         dst = param.data if shard is None else param.data[slice(*_shard_range(cfg, shard))]
-        dst.copy_(dequantize(q))
+        dst.copy_(dequantize_any(q))
 
 
 def quantize_weights(model: LlamaModel, mode: str, group: int) -> None:

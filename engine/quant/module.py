@@ -1,5 +1,6 @@
 """The quantized weight a model holds in place of a dense linear weight: one or more row-stacked parts, each one
-`ember::linear_q` call (engine/ops/csrc/linear_q/).
+kernel call: a GGUF file's own blocks on `ember::linear_gguf` (GGUFPart, engine/quant/gguf_blocks.py), or Ember's
+format for weights quantized at load on `ember::linear_q` (QuantizedPart, engine/ops/csrc/linear_q/).
 
 Parts exist because a fused projection's shards need not share a format: a Q4_K_M file stores attn_q and attn_k
 as Q4_K but attn_v as Q6_K, so q|k|v is two parts, [q|k] and [v], whose outputs are concatenated. Shards of one
@@ -10,12 +11,15 @@ from __future__ import annotations
 import re
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
+from engine.quant import gguf_blocks
 from engine.quant.format import PackedQuantized, QuantizedTensor, concat_rows, dequantize, pack, packed_rows, unpack
+from engine.quant.gguf_tensor import AnyQuantized, GGUFTensor, concat_gguf_rows
 from engine.ops.native import NATIVE_OPS
 
-_PART_KEY = re.compile(r"(.+)\.parts\.(\d+)\.(qweight|scales|mins)")
+_PART_KEY = re.compile(r"(.+)\.parts\.(\d+)\.(qweight|scales|mins|blocks)")
 
 
 class QuantizedPart(nn.Module):
@@ -41,6 +45,45 @@ class QuantizedPart(nn.Module):
         return x @ dequantize(self.tensor(), x.dtype).T  # no C++ compiler: the slow reference
 
 
+class GGUFPart(nn.Module):
+    """One weight in a GGUF type's own blocks, rows interleaved by 4 (gguf_blocks.interleave: the file's bytes,
+    reordered so 4 rows stream as one)."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int) -> None:
+        super().__init__()
+        self.qtype, self.out_features = qtype, n
+        self.source = qtype.name
+        self.register_buffer("blocks", blocks)
+
+    @classmethod
+    def from_tensor(cls, t: GGUFTensor) -> GGUFPart:
+        return cls(gguf_blocks.interleave(t.raw, int(t.qtype)), t.qtype, t.shape[0])
+
+    def tensor(self) -> GGUFTensor:
+        raw = gguf_blocks.deinterleave(self.blocks, int(self.qtype), self.out_features)
+        return GGUFTensor(raw, self.qtype, self.in_features)
+
+    @property
+    def in_features(self) -> int:
+        block, type_size = gguf_blocks.GGUF_TYPES[int(self.qtype)][1:]
+        return self.blocks.shape[1] // gguf_blocks.ROW_GROUP // type_size * block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gguf_blocks.linear(x, self.blocks, int(self.qtype), self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return gguf_blocks.rows(self.blocks, ids, int(self.qtype), self.out_features, dtype)
+
+
+def _part(t: AnyQuantized) -> nn.Module:
+    return GGUFPart.from_tensor(t) if isinstance(t, GGUFTensor) else QuantizedPart(pack(t), t.source)
+
+
+def dequantize_any(t: AnyQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [N, K] in `dtype`, whichever the quantized form."""
+    return t.dequantize(dtype) if isinstance(t, GGUFTensor) else dequantize(t, dtype)
+
+
 class QuantizedWeight(nn.Module):
     """A quantized [N, K] weight: `linear` (engine/ops/linear.py) calls it, `embedding` gathers rows from it."""
 
@@ -50,14 +93,15 @@ class QuantizedWeight(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
 
     @classmethod
-    def from_tensors(cls, tensors: list[QuantizedTensor]) -> QuantizedWeight:
-        merged: list[QuantizedTensor] = []
+    def from_tensors(cls, tensors: list[AnyQuantized]) -> QuantizedWeight:
+        merged: list[AnyQuantized] = []
         for t in tensors:  # stack neighbours of one layout: fewer, longer weight streams
-            if merged and merged[-1].layout == t.layout and merged[-1].shape[1] == t.shape[1]:
-                merged[-1] = concat_rows([merged[-1], t])
+            last = merged[-1] if merged else None
+            if last is not None and type(last) is type(t) and last.layout == t.layout and last.shape[1] == t.shape[1]:
+                merged[-1] = concat_gguf_rows([last, t]) if isinstance(t, GGUFTensor) else concat_rows([last, t])
             else:
                 merged.append(t)
-        return cls([QuantizedPart(pack(t), t.source) for t in merged])
+        return cls([_part(t) for t in merged])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [part(x) for part in self.parts]
@@ -66,6 +110,8 @@ class QuantizedWeight(nn.Module):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of W in `dtype` (embedding lookups; a table is always a single part)."""
         (part,) = self.parts
+        if isinstance(part, GGUFPart):
+            return part.rows(ids, dtype)
         return packed_rows(part.packed(), ids, dtype)
 
     def sources(self) -> list[str]:
@@ -103,11 +149,15 @@ def install_from_state(model: nn.Module, tensors: dict[str, torch.Tensor],
         info = parts_info.get(path)
         if info is None or len(info) != len(by_index):
             raise ValueError(f"saved weights have no part list for {path}")
-        weight = QuantizedWeight([
-            QuantizedPart(PackedQuantized(b["qweight"], b["scales"], b.get("mins"), info[i][1]), info[i][0])
-            for i, b in sorted(by_index.items())])
+        weight = QuantizedWeight([_saved_part(b, *info[i]) for i, b in sorted(by_index.items())])
         install(model.get_submodule(owner), attr, weight)
     return dense
+
+
+def _saved_part(buffers: dict[str, torch.Tensor], source: str, rows: int) -> nn.Module:
+    if "blocks" in buffers:  # a GGUF part: its source is the type's name
+        return GGUFPart(buffers["blocks"], GGMLQuantizationType[source], rows)
+    return QuantizedPart(PackedQuantized(buffers["qweight"], buffers["scales"], buffers.get("mins"), rows), source)
 
 
 def state_info(model: nn.Module) -> dict[str, list[tuple[str, int]]]:
@@ -124,6 +174,12 @@ def quantized_formats(model: nn.Module) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold in memory: dense parameters plus quantized buffers (padding included)."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dense + sum(w.nbytes() for w in quantized_weights(model).values())
+
+
 def describe_weights(model: nn.Module, dtype: str) -> str:
     """One phrase for the load log: sizes, and which formats the linear weights run in."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -132,5 +188,7 @@ def describe_weights(model: nn.Module, dtype: str) -> str:
         return f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {dense / 2**20:.0f} MiB {dtype}"
     formats = ", ".join(f"{k} x{v}" for k, v in quantized_formats(model).items())
     qbytes = sum(w.nbytes() for w in quant.values())
+    ops = sorted({"ember::linear_gguf" if isinstance(p, GGUFPart) else "ember::linear_q"
+                  for w in quant.values() for p in w.parts})
     return (f"{(dense + qbytes) / 2**20:.0f} MiB of weights: linears quantized ({formats}: {qbytes / 2**20:.0f} MiB) "
-            f"on ember::linear_q, the rest {dtype}")
+            f"on {' and '.join(ops)}, the rest {dtype}")

@@ -111,7 +111,11 @@ async def server_info(request: Request) -> dict[str, Any]:
         "compile_seconds": {str(b): round(s, 3) for b, s in dict(graphs.compile_seconds).items()},
         "isa": {"active": native.active_isa(), "supported": list(native.SUPPORTED_ISAS),
                 "packed_linear": core.runner.model.packed,
-                "linear_q": str(torch.ops.ember.linear_q_variant(native.active_isa())) if native.NATIVE_OPS else None},
+                "linear_q": str(torch.ops.ember.linear_q_variant(native.active_isa())) if native.NATIVE_OPS else None,
+                "linear_gguf": (str(torch.ops.ember.linear_gguf_variant(native.active_isa())) if native.NATIVE_OPS
+                                else None)},
+        # Bytes the weights hold in memory, beside the checkpoint's weight files on disk (a GGUF's header included).
+        "weights": {"resident_bytes": core.runner.weight_bytes, "file_bytes": core.runner.file_bytes},
         # --quantization, the weights' form (EngineConfig.weights_tag) and each quantized format's weight count
         "quantization": {"mode": cfg.quantization, "weights": core.runner.weights_tag,
                          "formats": quantized_formats(core.runner.model)},
