@@ -97,6 +97,7 @@ def multi_turn_command(name: str, port: int, cache_dir: Path, ember_dtype: str) 
 
 
 GGUF_FILE: Path | None = None  # --gguf: the file ember-gguf and llama-gguf[-avx2] serve
+EMBER_ARGS: list[str] = []  # --ember-args: extra `ember serve` flags (e.g. --decode-buckets 1,8)
 
 
 def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "auto") -> list[str]:
@@ -118,7 +119,7 @@ def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "au
         model = ["--model", str(GGUF_FILE)]
     return [PY, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *model,
             "--served-model-name", "model", "--dtype", ember_dtype, "--compile-cache-dir", str(cache_dir),
-            "--max-total-tokens", "16384", "--max-running-requests", "32"]
+            "--max-total-tokens", "16384", "--max-running-requests", "32", *EMBER_ARGS]
 
 
 def health(base: str) -> int:
@@ -218,6 +219,7 @@ def parse_args() -> argparse.Namespace:
                    help="Ember's --dtype (default: %(default)s, Ember's own default; issue 13's tables: bfloat16)")
     p.add_argument("--gguf", type=Path, default=None,
                    help="the GGUF file ember-gguf and llama-gguf[-avx2] serve (e.g. a synthetic.sh model)")
+    p.add_argument("--ember-args", default="", help="extra `ember serve` flags, space-separated")
     p.add_argument("--ember-isa", default=None, choices=["avx2", "avx512", "avx512bf16"],
                    help="run Ember on this kernel tier (EMBER_ISA; default: the best the CPU runs)")
     return p.parse_args()
@@ -235,6 +237,7 @@ def main() -> int:
     args = parse_args()
     global GGUF_FILE
     GGUF_FILE = args.gguf
+    EMBER_ARGS.extend(args.ember_args.split())
     servers = [s for s in args.servers.split(",") if s]
     if any("gguf" in s for s in servers) and (GGUF_FILE is None or not GGUF_FILE.is_file()):
         print("the -gguf servers need --gguf FILE", file=sys.stderr)
