@@ -10,8 +10,9 @@ QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = the embedded SmolLM2-135M-Instruct
-    # auto | bfloat16 | float32: activations, KV and dense weights. auto = float32 when the linear weights are
-    # quantized (resolved_for), else bfloat16: see README "Quantized weights" on why quantized models keep fp32.
+    # auto | bfloat16 | float32: activations, KV and dense weights. auto = bfloat16 (resolved): quantized linears
+    # take int8 activations anyway, and perplexity matched fp32's (README "Quantized weights"); float32 with
+    # --quantization none is the exact-parity path.
     dtype: str = "auto"
     # auto: a GGUF's own quantized formats, a HF folder dense; none: dense in `dtype`; int8 / int4: quantized at
     # load (engine/quant/quantize.py), int4 in groups of quant_group_size inputs
@@ -68,17 +69,14 @@ class EngineConfig:
             return f"int4g{self.quant_group_size}"
         return mode or ("native" if keep else "dense")
 
-    def resolved_for(self, gguf: bool) -> EngineConfig:
-        """This config with dtype auto made concrete for a checkpoint (a GGUF or not)."""
-        if self.dtype != "auto":
-            return self
-        keep, mode = self.quantization_plan(gguf)
-        return replace(self, dtype="float32" if keep or mode else "bfloat16")
+    def resolved(self) -> EngineConfig:
+        """This config with dtype auto made concrete."""
+        return self if self.dtype != "auto" else replace(self, dtype="bfloat16")
 
     @property
     def torch_dtype(self) -> "torch.dtype":  # noqa: F821 - torch imported lazily
         import torch
 
         if self.dtype == "auto":
-            raise ValueError("dtype auto has no torch dtype before resolved_for() picks one for the checkpoint")
+            raise ValueError("dtype auto has no torch dtype before resolved() picks one")
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]

@@ -89,7 +89,7 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int, pool_l
 class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint,
                  on_bucket: Callable[[int, float], None] | None = None, prepared: PreparedModel | None = None) -> None:
-        config = self.config = config.resolved_for(checkpoint.quantized_source)
+        config = self.config = config.resolved()
         if config.num_threads:  # else torch's default: OMP_NUM_THREADS, or the physical cores
             torch.set_num_threads(config.num_threads)
         if config.compile_cache_dir:

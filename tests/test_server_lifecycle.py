@@ -202,7 +202,7 @@ def test_sigterm_while_compiling_exits_0_at_once(tiny_model: Path, tmp_path: Pat
 
 @pytest.mark.slow
 def test_smollm2_answers_served_by_default(tmp_path: Path) -> None:
-    """As served by default: the GGUF's own Q4_1 (and Q8_0 head) blocks, fp32 activations (--dtype auto), int8
+    """As served by default: the GGUF's own Q4_1 (and Q8_0 head) blocks, bf16 activations (--dtype auto), int8
     activations inside the decode linears. Not the capital of France: its first token is a 0.08-logit near-tie
     that int8 activations tip to "L'Étoile, la Marseillaise", as llama.cpp's llama-server answers on this very
     file (test_smollm2.py asserts Paris on the exact fp32 path)."""
@@ -219,7 +219,7 @@ def test_smollm2_answers_served_by_default(tmp_path: Path) -> None:
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
         info = httpx.get(srv.base_url + "/get_server_info").json()
         assert info["quantization"] == {"mode": "auto", "weights": "native", "formats": {"Q4_1": 120, "Q8_0": 1}}
-        assert info["dtype"] == "float32" and info["isa"]["linear_gguf"] in ("avx2", "avx512vnni")
+        assert info["dtype"] == "bfloat16" and info["isa"]["linear_gguf"] in ("avx2", "avx512vnni")
         # the file's own blocks: within 3 % of the GGUF (whose header, a few MB of tokenizer, is in file_bytes)
         weights = info["weights"]
         assert 0.90 * weights["file_bytes"] <= weights["resident_bytes"] <= 1.03 * weights["file_bytes"], weights

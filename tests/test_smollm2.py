@@ -32,10 +32,10 @@ def core(smollm2_hf_fp32) -> EngineCore:
     return EngineCore(config, tokenizer=tok)
 
 
-@pytest.fixture(scope="module", params=["auto", "bfloat16"])
+@pytest.fixture(scope="module", params=["auto", "float32"])
 def native_core(smollm2_hf_fp32, request: pytest.FixtureRequest) -> EngineCore:
-    """The default serving path: the GGUF's own Q4_1 (and Q8_0 head) on ember::linear_q, with fp32 activations
-    (--dtype auto), and with bf16 ones."""
+    """The default serving path: the GGUF's own Q4_1 (and Q8_0 head) on ember::linear_gguf, with bf16 activations
+    (--dtype auto: bf16), and with fp32 ones."""
     _, tok, path = smollm2_hf_fp32
     config = EngineConfig(model=str(path), dtype=request.param, max_total_tokens=8192, max_running_requests=4,
                           decode_buckets=(1, 2, 4), disable_compile=True)

@@ -69,7 +69,7 @@ def _hf_decode_tps(config: EngineConfig, batches: list[int], prompt_len: int, st
     from engine.loader import default_model_path
 
     path = Path(config.model or default_model_path())
-    config = config.resolved_for(path.is_file())  # the same activation dtype Ember runs
+    config = config.resolved()  # the same activation dtype Ember runs
     if path.is_dir():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype)
     else:

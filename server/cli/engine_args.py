@@ -30,8 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="activation, KV and dense-weight dtype; auto: float32 when the linear weights are quantized "
-                        "(a GGUF's own formats, int8, int4), else bfloat16 (default: %(default)s)")
+                   help="activation, KV and dense-weight dtype; auto: bfloat16 (float32 with --quantization none is "
+                        "the exact-parity path) (default: %(default)s)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="auto: a GGUF's own formats (Q4_1, Q8_0, Q4_K, ...) on Ember's quantized kernels, a HF folder "
                         "dense; none: every weight dequantized to --dtype (the exact-parity path); int8 / int4: "
