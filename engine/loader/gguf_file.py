@@ -1,6 +1,6 @@
 """Load a single .gguf file: config through transformers, tensors under their HF names: quantized linear weights of
-the types Ember's kernels run kept in the file's own blocks (engine/quant/gguf_tensor.py; mixture-of-experts experts
-repacked into Ember's format, engine/quant/gguf_repack.py), every other tensor dequantized to fp32."""
+the types Ember's kernels run kept in the file's own blocks (engine/quant/gguf_tensor.py), every other tensor
+dequantized to fp32."""
 from __future__ import annotations
 
 import dataclasses

@@ -7,7 +7,7 @@ inter]) stack the experts (llama.cpp's converter torch.stacks the HF experts, Mi
 older Mixtral files have one `blk.N.ffn_gate.E.weight` (and up, down) per expert. They are yielded per expert under
 the names transformers' save_pretrained writes (model.layers.N.mlp.experts.E.gate_proj.weight, ...), so the model
 loads both sources one way (engine/model/moe.py). A quantized expert of a type Ember's kernels run stays quantized
-(one QuantizedTensor per expert, stacked again at load); other types are dequantized. Expert rows are never
+(one GGUFTensor of the file's bytes per expert, stacked again at load); other types are dequantized. Expert rows are never
 permuted: llama.cpp permutes only attn_q / attn_k.
 """
 from __future__ import annotations
@@ -22,8 +22,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from transformers import MixtralConfig, PretrainedConfig
 
-from engine.quant.format import QuantizedTensor
-from engine.quant.gguf_repack import SUPPORTED_GGUF_TYPES, repack
+from engine.quant.gguf_tensor import NATIVE_GGUF_TYPES, AnyQuantized, GGUFTensor
 
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _STACKED = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
@@ -71,7 +70,7 @@ def is_moe_tensor(name: str) -> bool:
 
 
 def moe_tensors(t: ReaderTensor, keep_quantized: bool, widened: dict[str, list[str]],
-                ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+                ) -> Iterator[tuple[str, torch.Tensor | AnyQuantized]]:
     """(HF name, tensor) for a router (always dense fp32) or for each expert of an expert tensor."""
     if m := _ROUTER.fullmatch(t.name):
         yield f"model.layers.{m[1]}.mlp.gate.weight", torch.from_numpy(_dense(t))
@@ -83,10 +82,11 @@ def moe_tensors(t: ReaderTensor, keep_quantized: bool, widened: dict[str, list[s
         m = _STACKED.fullmatch(t.name)
         assert m is not None, t.name
         layer, proj, experts, stacked = m[1], m[2], range(int(t.shape[-1])), True
-    if keep_quantized and t.tensor_type in SUPPORTED_GGUF_TYPES:
+    if keep_quantized and t.tensor_type in NATIVE_GGUF_TYPES:
         for i, e in enumerate(experts):
-            raw = t.data[i] if stacked else t.data
-            yield _expert_name(layer, e, proj), repack(raw, t.tensor_type, int(t.shape[0]))
+            raw = t.data[i] if stacked else t.data  # copied out of the read-only map, one expert at a time
+            yield _expert_name(layer, e, proj), GGUFTensor(torch.from_numpy(np.array(raw)), t.tensor_type,
+                                                             int(t.shape[0]))
         return
     if keep_quantized:
         widened.setdefault(t.tensor_type.name, []).append(t.name)

@@ -8,7 +8,7 @@ outputs are weighted in fp32, then cast). Neither architecture has shared expert
 Each expert is a SwiGLU MLP whose gate and up are fused like the dense layers' (one [2 * inter, hidden] weight),
 stacked over experts into one `gate_up_proj` [E, 2 * inter, hidden] and one `down_proj` [E, hidden, inter] per layer.
 The loader packs every expert for ember::linear_bf16 / linear_f32 (the stack becomes [E, <packed layout>]) or keeps
-a GGUF's quantized experts in Ember's format (a QuantizedWeight of one part whose buffers carry the leading E), so
+a GGUF's quantized experts in the file's blocks (a QuantizedWeight of one part whose buffers carry the leading E), so
 `w[e]` is always a weight the linear kernels take as it is. The router is packed too, but never quantized
 (llama.cpp keeps it F32 as well): routing decisions are what a small weight error would flip. The grouped expert
 computation, and why it is an opaque op under torch.compile, is engine/ops/moe.py.
@@ -24,8 +24,10 @@ from torch import nn
 from engine.loader.model_config import ModelConfig
 from engine.ops.linear import linear, pack_linear_weight
 from engine.ops.moe import moe_experts
-from engine.quant.format import PackedQuantized, QuantizedTensor, concat_rows, dequantize, pack
-from engine.quant.module import QuantizedPart, QuantizedWeight, install
+from engine.quant import gguf_blocks
+from engine.quant.format import PackedQuantized, QuantizedTensor, concat_rows, pack
+from engine.quant.gguf_tensor import AnyQuantized, GGUFTensor, concat_gguf_rows
+from engine.quant.module import GGUFPart, QuantizedPart, QuantizedWeight, dequantize_any, install
 from engine.quant.quantize import quantize_weight
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # per sparse layer, stacked over experts
@@ -35,12 +37,16 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _op_args(w: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(weights, scales, mins) of an expert stack for ember::moe_experts; scales None = dense."""
+def _op_args(w: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
+                                                         int]:
+    """(weights, scales, mins, ggml type) of an expert stack for ember::moe_experts; scales None and type 0 = dense,
+    a type = a GGUF type's blocks."""
     if isinstance(w, QuantizedWeight):
         (part,) = w.parts
-        return part.qweight, part.scales, part.mins
-    return w, None, None
+        if isinstance(part, GGUFPart):
+            return part.blocks, None, None, int(part.qtype)
+        return part.qweight, part.scales, part.mins, 0
+    return w, None, None, 0
 
 
 class SparseMoE(nn.Module):
@@ -67,7 +73,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, hidden], after post_attention_layernorm
         ids, weights = self.route(h)
-        args = (h, ids, weights, *_op_args(self.gate_up_proj), *_op_args(self.down_proj), self.inter)
+        gu, dn = _op_args(self.gate_up_proj), _op_args(self.down_proj)
+        args = (h, ids, weights, *gu[:3], *dn[:3], self.inter, gu[3], dn[3])
         if torch.compiler.is_compiling():
             return torch.ops.ember.moe_experts(*args)
         return moe_experts(*args)
@@ -97,13 +104,13 @@ class ExpertLoader:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
-        self.pending: dict[tuple[SparseMoE, str], dict[tuple[int, str | None], QuantizedTensor]] = {}
+        self.pending: dict[tuple[SparseMoE, str], dict[tuple[int, str | None], AnyQuantized]] = {}
 
     def _moe(self, layer: str) -> SparseMoE | None:
         i = int(layer)
         return self.model.layers[i].moe if i < len(self.model.layers) else None
 
-    def take(self, name: str, tensor: torch.Tensor | QuantizedTensor) -> bool:
+    def take(self, name: str, tensor: torch.Tensor | AnyQuantized) -> bool:
         if m := _ROUTER.fullmatch(name):
             target = (m[1], "gate", None, None)
         elif (m := _PER_EXPERT.fullmatch(name)) and m[3] in _SHARDS:
@@ -116,9 +123,9 @@ class ExpertLoader:
         moe = self._moe(layer)
         if moe is None:
             return False  # not a sparse layer: the caller reports the unexpected weight
-        if isinstance(tensor, QuantizedTensor):
+        if isinstance(tensor, (QuantizedTensor, GGUFTensor)):
             if attr == "gate" or expert is None:
-                tensor = dequantize(tensor)  # the router stays dense
+                tensor = dequantize_any(tensor)  # the router stays dense
             else:
                 self.pending.setdefault((moe, attr), {})[(expert, shard)] = tensor
                 return True
@@ -145,20 +152,27 @@ class ExpertLoader:
             shards = ("gate", "up") if attr == "gate_up_proj" else (None,)
             param = getattr(moe, attr)
             complete = set(parts) == {(e, s) for e in range(moe.num_experts) for s in shards}
-            if isinstance(param, nn.Parameter) and param.is_meta and complete and len({p.layout for p in parts.values()}) == 1:
-                per_expert = [concat_rows([parts[(e, s)] for s in shards]) for e in range(moe.num_experts)]
+            one_layout = len({(type(p), p.layout) for p in parts.values()}) == 1
+            if isinstance(param, nn.Parameter) and param.is_meta and complete and one_layout:
+                concat = concat_gguf_rows if isinstance(next(iter(parts.values())), GGUFTensor) else concat_rows
+                per_expert = [concat([parts[(e, s)] for s in shards]) for e in range(moe.num_experts)]
                 if per_expert[0].shape != tuple(param.shape[1:]):
                     raise ValueError(f"quantized experts {attr} have shape {per_expert[0].shape}, expected "
                                      f"{tuple(param.shape[1:])}")
                 install(moe, attr, stack_quantized(per_expert))
                 continue
             for (e, s), q in parts.items():
-                self._dst(moe, attr, e, s, attr, q.shape).copy_(dequantize(q))
+                self._dst(moe, attr, e, s, attr, q.shape).copy_(dequantize_any(q))
         self.pending.clear()
 
 
-def stack_quantized(per_expert: list[QuantizedTensor]) -> QuantizedWeight:
-    """One QuantizedWeight for E experts of one layout: each packed (format.pack), buffers stacked along a new dim 0."""
+def stack_quantized(per_expert: list[AnyQuantized]) -> QuantizedWeight:
+    """One QuantizedWeight for E experts of one layout: each packed (format.pack, or a GGUF type's interleaved
+    blocks), buffers stacked along a new dim 0."""
+    first = per_expert[0]
+    if isinstance(first, GGUFTensor):
+        blocks = torch.stack([gguf_blocks.interleave(t.raw, int(t.qtype)) for t in per_expert])
+        return QuantizedWeight([GGUFPart(blocks, first.qtype, first.shape[0])])
     packed = [pack(t) for t in per_expert]
     mins = None if packed[0].mins is None else torch.stack([p.mins for p in packed])  # type: ignore[misc]
     stacked = PackedQuantized(torch.stack([p.qweight for p in packed]), torch.stack([p.scales for p in packed]), mins,

@@ -16,7 +16,8 @@ same packed / quantized linear kernels as the dense layers (engine/ops/linear.py
 
 Expert weights are stacked along a leading expert dimension: a dense stack is [E, N, K] or [E, <packed layout>]
 (each `w[e]` a contiguous weight that `linear` takes as it is), a quantized stack is the three buffers of Ember's
-packed quantized format with a leading E (`scales` given; engine/quant/format.py).
+packed quantized format with a leading E (`scales` given; engine/quant/format.py), or a GGUF type's interleaved
+blocks with a leading E (its ggml type id given; engine/quant/gguf_blocks.py).
 """
 from __future__ import annotations
 
@@ -27,11 +28,14 @@ import torch.nn.functional as F
 
 from engine.ops.linear import linear
 from engine.ops.native import NATIVE_OPS
+from engine.quant import gguf_blocks
 from engine.quant.format import PackedQuantized, dequantize, unpack
 
 
 def _expert_linear(x: torch.Tensor, w: torch.Tensor, scales: Optional[torch.Tensor], mins: Optional[torch.Tensor],
-                   e: int, n: int) -> torch.Tensor:
+                   e: int, n: int, qtype: int) -> torch.Tensor:
+    if qtype:  # a GGUF type's own blocks, [E, <interleaved rows>] (engine/quant/gguf_blocks.py)
+        return gguf_blocks.linear(x, w[e], qtype, n)
     if scales is None:
         return linear(x, w[e], n)
     m = None if mins is None else mins[e]
@@ -51,6 +55,8 @@ def moe_experts(
     down_scales: Optional[torch.Tensor],
     down_mins: Optional[torch.Tensor],
     inter: int,
+    gate_up_qtype: int = 0,  # a ggml type id: the stack holds that GGUF type's blocks (scales and mins None)
+    down_qtype: int = 0,
 ) -> torch.Tensor:
     """sum over a token's k slots of weight * down(silu(gate(x)) * up(x)) of the slot's expert, [T, hidden]."""
     t, hidden = x.shape
@@ -67,8 +73,8 @@ def moe_experts(
         if count == 0:
             continue  # not routed to: its weights are never read
         gate, up = _expert_linear(rows[start : start + count], gate_up, gate_up_scales, gate_up_mins, e,
-                                  2 * inter).chunk(2, dim=-1)
-        outs.append(_expert_linear(F.silu(gate) * up, down, down_scales, down_mins, e, hidden))
+                                  2 * inter, gate_up_qtype).chunk(2, dim=-1)
+        outs.append(_expert_linear(F.silu(gate) * up, down, down_scales, down_mins, e, hidden, down_qtype))
         start += count
     y = (torch.cat(outs) * topk_weights.reshape(-1)[order, None]).to(x.dtype)
     # Back to [T, k] with each token's slots in ascending expert order, then summed left to right: the additions
