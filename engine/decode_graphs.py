@@ -15,8 +15,12 @@ with a static size and one saved step runs on a pool of any size. The pool is si
 (engine/model_runner.py size_kv_pool), so a static slot count would make every restart compile afresh.
 
 With `background=True` the engine serves before every bucket is compiled: saved steps load at once, the others
-compile in a thread, largest first, and each is swapped in as it becomes ready. Until then a batch runs in the
-smallest ready bucket that holds it, or eagerly. Every path computes the same tokens (tests/test_decode_graphs.py).
+compile largest first and each is swapped in as it becomes ready. Until then a batch runs in the smallest ready bucket
+that holds it, or eagerly. Every path computes the same tokens (tests/test_decode_graphs.py). Where the buckets
+compile: given `spawn_child` (the runner passes one when there is a folder of saved steps), in a child process at the
+lowest CPU priority (engine/compile_child.py) whose saved steps a thread here loads as each one is announced; a compile
+in this process would hold its GIL and both cores, and serving barely moved (0.8 tok/s a client against 70-86). If
+the child cannot start, fails or dies, the buckets it did not deliver compile in that thread, in this process.
 """
 from __future__ import annotations
 
@@ -27,10 +31,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.files import write_atomically
+
+if TYPE_CHECKING:
+    from engine.compile_child import CompileChild
 
 log = logging.getLogger("ember.compile")
 
@@ -87,6 +95,8 @@ class DecodeGraphs:
         self.compile_finished = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._child: CompileChild | None = None
+        self._child_lock = threading.Lock()  # `stop` and the loader thread agree on whether a child may start
 
     @property
     def max_batch(self) -> int:
@@ -102,11 +112,13 @@ class DecodeGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
     def capture(self, req_to_token: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                on_bucket: Callable[[int, float], None] | None = None, background: bool = False) -> None:
+                on_bucket: Callable[[int, float], None] | None = None, background: bool = False,
+                spawn_child: Callable[[list[int]], CompileChild] | None = None) -> None:
         """Make every bucket runnable, largest first (the largest sets the memory high-water mark early).
 
-        background: return once the saved steps are loaded and compile the rest in a thread (`compile_finished` is set
-        when the last bucket is in)."""
+        background: return once the saved steps are loaded and compile the rest in the background (`compile_finished`
+        is set when the last bucket is in). spawn_child(buckets): a child process that compiles those buckets into
+        `artifact_dir` (engine/compile_child.py); without one, or when it fails, they compile in a thread here."""
         if self.compiled:
             # Imported here, not at the top: dynamo alone takes ~1.7 s to import, which an eager run never needs.
             import torch._dynamo
@@ -127,9 +139,11 @@ class DecodeGraphs:
                 self._make_ready(bs, pools, on_bucket)
             left = [bs for bs in order if bs not in self.fns]
             if left:
-                log.info("serving now; decode buckets %s compile in the background, largest first", left)
-                self._thread = threading.Thread(target=self._compile_all, args=(left, pools, on_bucket),
-                                                name="ember-compile", daemon=True)
+                where = "a child process" if spawn_child is not None else "a thread"
+                log.info("serving now; decode buckets %s compile in the background in %s, largest first", left, where)
+                target, args = ((self._compile_in_child, (spawn_child, left, pools, on_bucket)) if spawn_child
+                                else (self._compile_all, (left, pools, on_bucket)))
+                self._thread = threading.Thread(target=target, args=args, name="ember-compile", daemon=True)
                 self._thread.start()
                 return
         else:
@@ -138,10 +152,54 @@ class DecodeGraphs:
         self.compile_finished.set()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop compiling after the current bucket (engine shutdown)."""
-        self._stop.set()
+        """Stop compiling (engine shutdown): a compile child is ended at once, a compile thread after its bucket."""
+        with self._child_lock:
+            self._stop.set()
+            child = self._child
+        if child is not None:
+            child.stop()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def child_pid(self) -> int | None:
+        """The compile child's process id while it runs (for the server's info and its tests)."""
+        child = self._child
+        return child.pid if child is not None and child.proc.poll() is None else None
+
+    def _compile_in_child(self, spawn_child: Callable[[list[int]], CompileChild], order: list[int], pools: tuple,
+                          on_bucket: Callable[[int, float], None] | None) -> None:
+        """Load each bucket the child announces; whatever it did not deliver compiles here (`_compile_all`)."""
+        why = ""
+        try:
+            with self._child_lock:
+                if self._stop.is_set():
+                    self.compile_finished.set()
+                    return
+                child = self._child = spawn_child(order)
+            log.info("compile child %d started for decode buckets %s", child.pid, order)
+            for bs, child_secs in child.finished():
+                if self._stop.is_set():
+                    break
+                if bs in order and bs not in self.fns:  # (a step it did not save compiles here, in this thread)
+                    self._make_ready(bs, pools, on_bucket, child_secs if self._saved_path(bs) else 0.0)
+                if all(b in self.fns for b in order):
+                    break  # all in: its exit is no news (and stop() below ends it if it lingers)
+            else:
+                code = child.wait()
+                if code != 0 and not self._stop.is_set():
+                    why = f"it exited with status {code}"
+            child.stop(timeout=10.0)  # closes its pipes
+        except Exception as exc:  # could not start it, or a broken pipe: the thread takes over
+            why = f"{type(exc).__name__}: {exc}"
+        if self._stop.is_set():
+            self.compile_finished.set()
+            return
+        left = [bs for bs in order if bs not in self.fns]
+        if left:
+            log.warning("the compile child did not deliver decode buckets %s (%s); compiling them in this process",
+                        left, why or "it exited without them")
+        self._compile_all(left, pools, on_bucket)
 
     def _compile_all(self, order: list[int], pools: tuple, on_bucket: Callable[[int, float], None] | None) -> None:
         try:
@@ -155,7 +213,9 @@ class DecodeGraphs:
         finally:
             self.compile_finished.set()
 
-    def _make_ready(self, bs: int, pools: tuple, on_bucket: Callable[[int, float], None] | None) -> None:
+    def _make_ready(self, bs: int, pools: tuple, on_bucket: Callable[[int, float], None] | None,
+                    compiled_elsewhere: float = 0.0) -> None:
+        """compiled_elsewhere: seconds a compile child spent on this bucket, whose saved step is now loaded."""
         t0 = time.perf_counter()
         # Private padded inputs: the compile thread must not touch the buffers `run` fills. The compiled step takes
         # its inputs as arguments, so it later runs on `self.inputs` views of the same shapes and strides.
@@ -175,7 +235,9 @@ class DecodeGraphs:
                     fn, outcome = torch.compile(self.step, dynamic=False, fullgraph=True), "compiled (no saved steps)"
                 with torch.no_grad():
                     fn(*args)  # the first call compiles (plain torch.compile) and warms every path
-        secs = time.perf_counter() - t0
+        secs = time.perf_counter() - t0 + compiled_elsewhere
+        if compiled_elsewhere:
+            outcome = f"compiled by the compile child in {compiled_elsewhere:.1f} s, then {outcome}"
         self.compile_seconds[bs] = secs
         self.outcomes[bs] = outcome
         self.fns[bs] = fn  # last: `run` may pick it up from now on

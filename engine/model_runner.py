@@ -17,6 +17,7 @@ import psutil
 import torch
 from torch import nn
 
+from engine.compile_child import CompileChild
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.loader import LoadedCheckpoint, weight_file_bytes
@@ -111,7 +112,7 @@ class ModelRunner:
         log.info("decode buckets %s (%s)", list(self.graphs.buckets),
                  "eager" if config.disable_compile else "compiling, largest first")
         self.graphs.capture(self.req_pool.table, self.k_caches, self.v_caches, on_bucket,
-                            background=config.background_compile)
+                            background=config.background_compile, spawn_child=self._compile_child_spawner())
 
     def _make_pools(self, config: EngineConfig, mc: ModelConfig) -> None:
         """The request table, the token pool of the full-attention layers and, when the model has sliding-window
@@ -139,6 +140,15 @@ class ModelRunner:
         if windowed:
             log.info("sliding-window KV: %d layers keep the last %d positions per request, %d rings (%.2f GiB)",
                      len(windowed), mc.sliding_window, rows, ring_bytes / 2**30)
+
+    def _compile_child_spawner(self) -> Callable[[list[int]], CompileChild] | None:
+        """How a background compile starts its child process (engine/compile_child.py): only with a folder of saved
+        steps, which is how the child hands each bucket over."""
+        artifact_dir = self.graphs.artifact_dir
+        if not self.config.background_compile or artifact_dir is None:
+            return None
+        config = self.config
+        return lambda buckets: CompileChild.start(config, buckets, artifact_dir)
 
     def _decode_artifact_dir(self) -> Path | None:
         """Where the saved decode steps live: a folder named after everything a compiled step depends on (torch,

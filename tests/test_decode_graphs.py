@@ -2,6 +2,7 @@
 larger ready bucket while the rest compile, each bucket is swapped in when ready, and the tokens never change."""
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch._dynamo
 
+from engine.compile_child import CompileChild
 from engine.config import EngineConfig
 from engine.decode_graphs import EAGER, DecodeGraphs
 from engine.loader import open_checkpoint
@@ -27,15 +29,17 @@ def _runner(folder: Path, buckets: tuple[int, ...], cache: Path | None, backgrou
 
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Holds the background compile thread before each bucket until the test sets it (no timing guesses)."""
+    """Holds the background compile (its thread here, or the start of its child process) until the test sets it (no
+    timing guesses)."""
     opened = threading.Event()
-    original = DecodeGraphs._compile_all
+    for name in ("_compile_all", "_compile_in_child"):
+        original = getattr(DecodeGraphs, name)
 
-    def gated(self: DecodeGraphs, *args: object) -> None:
-        assert opened.wait(600), "the test never opened the gate"
-        original(self, *args)
+        def gated(self: DecodeGraphs, *args: object, original: Callable[..., None] = original) -> None:
+            assert opened.wait(600), "the test never opened the gate"
+            original(self, *args)
 
-    monkeypatch.setattr(DecodeGraphs, "_compile_all", gated)
+        monkeypatch.setattr(DecodeGraphs, name, gated)
     return opened
 
 
@@ -85,3 +89,29 @@ def test_stop_ends_the_background_compile(make_tiny_model: Callable[..., Path], 
     gate.set()
     assert runner.graphs.compile_finished.wait(60)
     assert runner.graphs.ready_buckets == []
+
+
+def _failing_child(code: str) -> Callable[[list[int]], CompileChild]:
+    """A real child process that fails the way a compile child can: it dies, or announces a bucket it never saved."""
+    return lambda buckets: CompileChild([sys.executable, "-c", code])
+
+
+@pytest.mark.parametrize("code", ["import sys; sys.exit(3)", "print('ready 2 1.0', flush=True)"],
+                         ids=["dies", "announces-a-bucket-it-did-not-save"])
+def test_a_failed_compile_child_leaves_the_buckets_to_the_thread(make_tiny_model: Callable[..., Path], tmp_path: Path,
+                                                                code: str) -> None:
+    folder = make_tiny_model("llama")
+    want = ManualBatch(make_runner(folder, compile=False), PROMPTS).decode(6)
+    torch._dynamo.reset()
+    config = EngineConfig(model=str(folder), dtype="float32", max_total_tokens=2048, max_running_requests=4,
+                          decode_buckets=(2, 4), disable_compile=True)
+    runner = ModelRunner(config, open_checkpoint(str(folder)))  # eager: the graphs below are the test's
+    graphs = DecodeGraphs(runner.graphs.step, (2, 4), True, artifact_dir=tmp_path / "steps")
+    graphs.capture(runner.req_pool.table, runner.k_caches, runner.v_caches, background=True,
+                   spawn_child=_failing_child(code))
+    assert graphs.compile_finished.wait(600)
+    assert graphs.ready_buckets == [2, 4] and graphs.child_pid is None
+    assert all(o.startswith("compiled ahead of time") for o in graphs.outcomes.values())  # here, not by the child
+    runner.graphs = graphs
+    assert ManualBatch(runner, PROMPTS).decode(6) == want
+    assert graphs.steps_per_bucket[4] == 6

@@ -40,8 +40,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="serve as soon as the model is loaded: decode buckets that have no saved step compile in "
-                        "a background thread, largest first, and are swapped in as each is ready; until then a "
-                        "batch runs in a larger ready bucket or eagerly (default: %(default)s)")
+                        "the background, largest first, and are swapped in as each is ready; until then a batch runs "
+                        "in a larger ready bucket or eagerly. They compile in a child process with one thread at the "
+                        "lowest CPU priority (SCHED_IDLE), which saves each step into --compile-cache-dir for the "
+                        "server to load, so serving keeps its speed; without a cache dir, or if the child fails, in "
+                        "a thread of the server, which slows serving until they are done. --no-compile-in-background: "
+                        "compile every bucket before /health is 200 (default: %(default)s)")
     g.add_argument("--tool-call-parser", default=env("EMBER_TOOL_CALL_PARSER", "auto"),
                    choices=["auto", "hermes", "llama3_json", "mistral"],
                    help="the format tool calls are read in (and forced in, for tool_choice required): auto picks it "
