@@ -34,6 +34,20 @@ def _variants() -> list:
 
 
 VARIANTS = _variants()
+HAS_AMX = bool(NATIVE_OPS and torch.ops.ember.isa_has_amx())
+
+
+def _paths() -> list:
+    """(tier, path) for every forced path: int8 and tile on each SIMD variant, amx on the avx512bf16 tier."""
+    out = [pytest.param(v.values[0], p, id=f"{v.id}-{p}", marks=v.marks) for v in VARIANTS if v.id != "scalar"
+           for p in ("int8", "tile")]
+    out.append(pytest.param("avx512bf16", "amx", id="amx", marks=() if HAS_AMX else pytest.mark.skip(
+        reason="this CPU cannot run the amx linear_gguf path (no AMX-BF16)")))
+    return out
+
+
+def _auto(qtype: int, rows: int, isa: str) -> str:
+    return str(torch.ops.ember.linear_gguf_auto_path(qtype, rows, isa))
 
 
 def random_rows(qtype: int, n: int, k: int, seed: int, fill: int | None = None) -> torch.Tensor:
@@ -58,11 +72,15 @@ def int8_error_bound(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tens
     return amax @ w.abs().T / 254
 
 
-def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qtype: int, int8: bool) -> None:
+def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qtype: int, int8: bool, bf16: bool = False) -> None:
+    """int8: activations quantized (error bound above); bf16: activations and dequantized weights each rounded to
+    bf16 (the AMX path: each product off by at most 2 * 2^-9 of |x w|)."""
     xd, wd = x.double(), w.double()
     ref = xd @ wd.T
     scale = (xd.abs() @ wd.abs().T).max().item()  # what fp32 rounding is relative to
     tol = 1e-5 * scale + (int8_error_bound(xd, wd, qtype) if int8 else 0.0)
+    if bf16:
+        tol = tol + (xd.abs() @ wd.abs().T) * 2.0 ** -8 * 1.01
     if out.dtype == torch.bfloat16:
         tol = tol + ref.abs() * 2.0 ** -8
     err = (out.double() - ref).abs()
@@ -81,12 +99,43 @@ def test_matches_gguf_dequantize_then_matmul(isa: str, qtype: int, rows: int) ->
     n, k = 37, 768  # N not a multiple of 4 (a padded group) nor 32; K = 3 super-blocks
     _, packed, w = _packed(qtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    int8 = rows < 16 or isa == "scalar"  # 16+ rows: the fp32 tile path on exact weights
-    check(torch.ops.ember.linear_gguf_isa(x, packed, qtype, n, isa), x, w, qtype, int8)
+    path = _auto(qtype, rows, isa)  # many rows: the fp32 tile path on exact weights (or amx)
+    int8, bf16 = path == "int8", path == "amx"
+    check(torch.ops.ember.linear_gguf_isa(x, packed, qtype, n, isa), x, w, qtype, int8, bf16)
     xb = x.bfloat16()
     out = torch.ops.ember.linear_gguf_isa(xb, packed, qtype, n, isa)
     assert out.dtype == torch.bfloat16
-    check(out, xb.float(), w, qtype, int8)
+    check(out, xb.float(), w, qtype, int8, bf16)
+
+
+@pytest.mark.parametrize("isa, path", _paths())
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 100])
+def test_every_path_matches_gguf_dequantize_then_matmul(isa: str, path: str, qtype: int, rows: int) -> None:
+    """Each path forced at every row count, whatever the thresholds pick; K = 1280 crosses the 512-value chunks."""
+    n, k = 37, 1280
+    _, packed, w = _packed(qtype, n, k, seed=rows + 50)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    for xx in (x, x.bfloat16()):
+        out = torch.ops.ember.linear_gguf_path(xx, packed, qtype, n, isa, path)
+        assert out.dtype == xx.dtype and out.shape == (rows, n)
+        check(out, xx.float(), w, qtype, path == "int8", path == "amx")
+
+
+def test_auto_paths_follow_the_thresholds() -> None:
+    """Few rows take integer dots, then the tile path (or AMX on avx512bf16 with AMX), never back."""
+    order = {"int8": 0, "tile": 1, "amx": 2}
+    for tier in SUPPORTED_ISAS:
+        for qtype in TYPES:
+            seq = [order[_auto(qtype, r, tier)] for r in range(1, 200)]
+            assert seq == sorted(seq) and seq[0] == 0, (tier, qtype)
+            if tier == "avx512bf16" and HAS_AMX:
+                assert seq[-1] == 2
+            if tier == "scalar":
+                assert set(seq) == {0}
+    with pytest.raises(RuntimeError, match="path must be"):
+        _, packed, _ = _packed(12, 10, 512, seed=9)
+        torch.ops.ember.linear_gguf_path(torch.randn(2, 512), packed, 12, 10, "avx2", "fast")
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
@@ -131,14 +180,14 @@ def test_extreme_codes_do_not_overflow(isa: str, qtype: int) -> None:
 
 @pytest.mark.parametrize("isa", VARIANTS)
 def test_a_rows_result_does_not_depend_on_its_batch(isa: str) -> None:
+    """Within one path (the thresholds differ per variant and type), a row computes the same at any batch size."""
     for qtype in (2, 8, 12, 14):
         _, packed, _ = _packed(qtype, 70, 512, seed=1)
-        x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2))
-        few, many = (torch.ops.ember.linear_gguf_isa(x[:r], packed, qtype, 70, isa) for r in (15, 40))
-        for r in (1, 2, 3, 8, 9):
-            assert torch.equal(torch.ops.ember.linear_gguf_isa(x[:r], packed, qtype, 70, isa), few[:r])
-        for r in (16, 17, 33):
-            assert torch.equal(torch.ops.ember.linear_gguf_isa(x[:r], packed, qtype, 70, isa), many[:r])
+        x = torch.randn(100, 512, generator=torch.Generator().manual_seed(2))
+        for path in ("int8", "tile") if isa != "scalar" else ("int8",):
+            ref = torch.ops.ember.linear_gguf_path(x, packed, qtype, 70, isa, path)
+            for r in (1, 2, 3, 8, 9, 15, 16, 17, 33, 64):
+                assert torch.equal(torch.ops.ember.linear_gguf_path(x[:r], packed, qtype, 70, isa, path), ref[:r])
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES)

@@ -41,6 +41,28 @@ def test_linear_matches_fp32_matmul(m: int, n: int, k: int, isa: str) -> None:
     _check(_bf16(m, k, g=g), _bf16(n, k, g=g), isa)
 
 
+HAS_AMX = bool(NATIVE_LINEAR and torch.ops.ember.isa_has_amx())
+BF16_PATHS = [pytest.param("kernel", id="kernel"),
+              pytest.param("amx", id="amx", marks=pytest.mark.skipif(
+                  not HAS_AMX, reason="this CPU cannot run the amx linear_bf16 path (no AMX-BF16)"))]
+
+
+@pytest.mark.skipif(not NATIVE_LINEAR or "avx512bf16" not in [p.id for p in LINEAR],
+                    reason="this CPU cannot run the avx512bf16 tier (linear_bf16's kernel and amx paths)")
+@pytest.mark.parametrize("path", BF16_PATHS)
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 100])
+@pytest.mark.parametrize("n,k", [(31, 64), (33, 96), (100, 576), (40, 1088)])
+def test_linear_bf16_every_path_matches_fp32_matmul(path: str, m: int, n: int, k: int) -> None:
+    # Each path forced on the avx512bf16 tier, whatever the row count picks (AMX: K a multiple of 32, 1088 crosses
+    # the 512-input chunks; rows not a multiple of 16 are zero-padded tiles).
+    g = torch.Generator().manual_seed(m * 31 + n + k)
+    x, w = _bf16(m, k, g=g), _bf16(n, k, g=g)
+    got = torch.ops.ember.linear_bf16_path(x, lin.pack_linear_weight(w), n, "avx512bf16", path)
+    want = x.float() @ w.float().T
+    scale = (x.float().abs() @ w.float().abs().T).max()
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=float(scale) * 1e-5)
+
+
 @pytest.mark.parametrize("isa", LINEAR)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 13, 40])
 @pytest.mark.parametrize("n,k", [(1, 2), (31, 64), (33, 67), (100, 576), (960, 1538), (40, 1100)])

@@ -8,6 +8,8 @@
 #include <cpuid.h>
 #include <cstdlib>
 #include <stdexcept>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace ember {
 namespace {
@@ -15,7 +17,8 @@ namespace {
 struct Features {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false, avx512vnni = false;
-  bool os_ymm = false, os_zmm = false;
+  bool amx_tile = false, amx_bf16 = false;
+  bool os_ymm = false, os_zmm = false, os_amx = false;
 };
 
 Features read_features() {
@@ -30,6 +33,7 @@ Features read_features() {
     __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     f.os_ymm = (lo & 0x6) == 0x6;
     f.os_zmm = f.os_ymm && (lo & 0xE0) == 0xE0;
+    f.os_amx = (lo & 0x60000) == 0x60000;  // XTILECFG (17) and XTILEDATA (18) in XCR0
   }
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
     f.avx2 = b & (1u << 5);
@@ -38,6 +42,8 @@ Features read_features() {
     f.avx512bw = b & (1u << 30);
     f.avx512vl = b & (1u << 31);
     f.avx512vnni = c & (1u << 11);
+    f.amx_bf16 = d & (1u << 22);
+    f.amx_tile = d & (1u << 24);
   }
   if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512bf16 = a & (1u << 5);
   return f;
@@ -77,6 +83,17 @@ bool cpu_has_avx512_vnni() {
   static const bool has = [] {
     const Features f = read_features();
     return cpu_runs(Isa::kAvx512, f) && f.avx512vnni;
+  }();
+  return has;
+}
+
+bool cpu_has_amx_bf16() {
+  static const bool has = [] {
+    const Features f = read_features();
+    if (!(cpu_runs(Isa::kAvx512Bf16, f) && f.amx_tile && f.amx_bf16 && f.os_amx)) return false;
+    // Linux keeps AMX tile data off until a process asks (kernel 5.16+); the grant covers all its threads.
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return has;
 }
@@ -127,6 +144,7 @@ std::vector<std::string> isa_supported_op() {
 }
 
 std::string isa_active_op() { return isa_name(active_isa()); }
+bool isa_has_amx_op() { return cpu_has_amx_bf16(); }
 std::string isa_select_op(const std::string& name) { return isa_name(select_isa(name)); }
 
 }  // namespace
@@ -136,4 +154,5 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("isa_supported() -> str[]", &ember::isa_supported_op);
   m.def("isa_active() -> str", &ember::isa_active_op);
   m.def("isa_select(str name) -> str", &ember::isa_select_op);
+  m.def("isa_has_amx() -> bool", &ember::isa_has_amx_op);
 }

@@ -22,6 +22,10 @@ Isa select_isa(const std::string& name);
 // Whether the CPU has AVX512-VNNI (with the avx512 tier's F/BW/VL/DQ): picks ember::linear_q's kernel on the
 // AVX-512 tiers, which do not otherwise require it (Skylake-SP has AVX-512 without VNNI).
 bool cpu_has_avx512_vnni();
+// Whether the CPU has AMX-BF16 tiles (with AVX512-BF16, the avx512bf16 tier) and Linux let this process use them
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), requested once on the first call): picks the AMX many-row
+// paths of ember::linear_gguf and ember::linear_bf16 (common/amx_bf16.h).
+bool cpu_has_amx_bf16();
 // Parses a tier name ("scalar", "avx2", "avx512", "avx512bf16"); throws for unknown or unsupported tiers.
 Isa parse_isa(const std::string& name);
 

@@ -7,12 +7,14 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "common/cpu_isa.h"
 #include "common/parallel_blocks.h"
 #include "common/widen_bf16.h"
+#include "linear/amx_bf16.h"
 
 namespace ember {
 namespace {
@@ -31,7 +33,37 @@ LinearKernel kernel_for(Format format, Isa isa) {
   TORCH_CHECK(false, "ember::", name, " has no ", isa_name(isa), " kernel (it needs AVX2 or better)");
 }
 
-at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa isa, Format format) {
+// bf16 on a CPU with AMX-BF16 (avx512bf16 tier): from this many rows on the packed blocks, which are AMX's B layout
+// already, run through AMX tiles (linear/amx_bf16.h) instead of the vdpbf16ps micro-tiles. Measured: see commit log.
+constexpr int64_t kBf16AmxMinRows = 32;
+constexpr int64_t kAmxChunk = 512;  // K values per pass of the row tiles: 512 x 32 x 2 B of weights in L1
+
+enum class Path { kAuto, kKernel, kAmx };
+
+bool amx_for(Format format, Isa isa, int64_t k) {
+  return format == Format::kBf16 && isa == Isa::kAvx512Bf16 && k % 32 == 0 && cpu_has_amx_bf16();
+}
+
+// x [rows, K] bf16 (rows padded with zeros to a multiple of 16) @ the packed blocks, through AMX tiles.
+void run_amx(const at::Tensor& xc, int64_t rows, const LinearArgs& a, int64_t blocks) {
+  const int64_t k = a.k, rows_pad = (rows + 15) / 16 * 16;
+  at::Tensor xb = xc.reshape({rows, k});
+  if (rows_pad != rows) xb = at::constant_pad_nd(xb, {0, 0, 0, rows_pad - rows});
+  xb = xb.contiguous();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<c10::BFloat16>());
+  parallel_blocks(blocks, rows_pad * kLinearBlock, [&](int64_t b, float* acc) {
+    const uint16_t* wb = static_cast<const uint16_t*>(a.w) + b * k * kLinearBlock;
+    amx_begin();
+    for (int64_t k0 = 0; k0 < k; k0 += kAmxChunk)
+      amx_bf16_block(xp + k0, k, rows_pad, wb + k0 * kLinearBlock, std::min(kAmxChunk, k - k0), acc, k0 == 0);
+    amx_end();
+    const int64_t ncols = std::min(kLinearBlock, a.n - b * kLinearBlock);
+    amx_store_rows(acc, rows, ncols, static_cast<uint16_t*>(a.out) + b * kLinearBlock, a.n, true);
+  });
+}
+
+at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa isa, Format format,
+               Path path = Path::kAuto) {
   const LinearKernel kernel = kernel_for(format, isa);
   const bool bf16 = format == Format::kBf16;
   const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
@@ -59,6 +91,13 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa i
   at::Tensor out = at::empty(out_shape, x.options());
   if (rows == 0) return out;
   LinearArgs args{nullptr, nullptr, w_packed.data_ptr(), rows, k, n, out.data_ptr()};
+  TORCH_CHECK(path != Path::kAmx || amx_for(format, isa, k), "linear_bf16: the AMX path needs bf16 weights with K a "
+              "multiple of 32 on the avx512bf16 tier of a CPU with AMX-BF16");
+  if (path == Path::kAuto && amx_for(format, isa, k) && rows >= kBf16AmxMinRows) path = Path::kAmx;
+  if (path == Path::kAmx) {
+    run_amx(xc, rows, args, blocks);
+    return out;
+  }
   std::vector<float> widened;
   if (!bf16) {
     args.xf = xc.data_ptr<float>();
@@ -87,6 +126,14 @@ at::Tensor linear_bf16_isa(const at::Tensor& x, const at::Tensor& w_packed, int6
   return run(x, w_packed, n, parse_isa(isa), Format::kBf16);
 }
 
+// A forced path ("kernel": the tier's packed kernel, "amx", or "auto"): tests and benchmarks. No fake kernel.
+at::Tensor linear_bf16_path(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const std::string& isa,
+                            const std::string& path) {
+  TORCH_CHECK(path == "auto" || path == "kernel" || path == "amx", "linear_bf16: path must be auto, kernel or amx");
+  return run(x, w_packed, n, parse_isa(isa), Format::kBf16,
+             path == "amx" ? Path::kAmx : path == "kernel" ? Path::kKernel : Path::kAuto);
+}
+
 at::Tensor linear_f32_isa(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const std::string& isa) {
   return run(x, w_packed, n, parse_isa(isa), Format::kF32);
 }
@@ -97,6 +144,7 @@ at::Tensor linear_f32_isa(const at::Tensor& x, const at::Tensor& w_packed, int64
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("linear_bf16(Tensor x, Tensor w_packed, int n) -> Tensor");
   m.def("linear_bf16_isa(Tensor x, Tensor w_packed, int n, str isa) -> Tensor");
+  m.def("linear_bf16_path(Tensor x, Tensor w_packed, int n, str isa, str path) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor w_packed, int n) -> Tensor");
   m.def("linear_f32_isa(Tensor x, Tensor w_packed, int n, str isa) -> Tensor");
 }
@@ -104,6 +152,7 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
 TORCH_LIBRARY_IMPL(ember, CPU, m) {
   m.impl("linear_bf16", &ember::linear_bf16);
   m.impl("linear_bf16_isa", &ember::linear_bf16_isa);
+  m.impl("linear_bf16_path", &ember::linear_bf16_path);
   m.impl("linear_f32", &ember::linear_f32);
   m.impl("linear_f32_isa", &ember::linear_f32_isa);
 }

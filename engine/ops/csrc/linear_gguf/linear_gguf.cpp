@@ -99,7 +99,22 @@ int64_t checked_k(const at::Tensor& packed, int64_t qtype, int64_t n) {
   return packed.size(1) / 4 / ti.bytes * ti.values;
 }
 
-at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, Isa isa) {
+// Which kernel family a call runs: by the CPU's features and the row count (kAuto), or forced (tests, benchmarks).
+enum class Path { kAuto, kInt8, kTile, kAmx };
+
+Path parse_path(const std::string& p) {
+  if (p == "auto") return Path::kAuto;
+  if (p == "int8") return Path::kInt8;
+  if (p == "tile") return Path::kTile;
+  if (p == "amx") return Path::kAmx;
+  TORCH_CHECK(false, "linear_gguf: path must be auto, int8, tile or amx, got ", p);
+}
+
+// AMX runs on the avx512bf16 tier of a CPU with AMX-BF16 (every such CPU has that tier).
+bool amx_for(Isa isa) { return isa == Isa::kAvx512Bf16 && cpu_has_amx_bf16(); }
+
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, Isa isa,
+               Path path = Path::kAuto) {
   const int64_t k = checked_k(packed, qtype, n);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "linear_gguf takes bfloat16 or float32 input, got ", x.scalar_type());
@@ -111,13 +126,33 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (rows == 0 || n == 0) return out;
+  if (path == Path::kAuto)
+    path = amx_for(isa) && rows >= kGgufAmxMinRows ? Path::kAmx
+           : rows >= kernel.tile_min_rows && kernel.run_block_tile != nullptr ? Path::kTile : Path::kInt8;
+  TORCH_CHECK(path != Path::kTile || kernel.run_block_tile != nullptr, "linear_gguf: the ", isa_name(isa),
+              " tier has no tile path");
+  TORCH_CHECK(path != Path::kAmx || amx_for(isa), "linear_gguf: the AMX path needs the avx512bf16 tier of a CPU "
+              "with AMX-BF16 (this CPU: ", cpu_has_amx_bf16() ? "has AMX" : "no AMX", ")");
+  if (path == Path::kAmx) {
+    // bf16 activations padded with zero rows to a multiple of 16 (AMX tiles are 16 rows).
+    const int64_t rows_pad = (rows + 15) / 16 * 16;
+    at::Tensor xb = xc.reshape({rows, k}).to(at::kBFloat16);
+    if (rows_pad != rows) xb = at::constant_pad_nd(xb, {0, 0, 0, rows_pad - rows});
+    xb = xb.contiguous();
+    GgufLinearArgs args{qtype, packed.data_ptr<uint8_t>(), rows, k, n, {}, nullptr, xc.scalar_type() == at::kBFloat16,
+                        out.data_ptr(), reinterpret_cast<const uint16_t*>(xb.data_ptr<c10::BFloat16>()), rows_pad};
+    const GgufBlockFn fn = linear_gguf_amx_block(qtype);
+    parallel_blocks((n + kGgufBlockRows - 1) / kGgufBlockRows, gguf_amx_scratch_floats(rows_pad),
+                    [&](int64_t b, float* scratch) { fn(args, b, scratch); });
+    return out;
+  }
   const bool bf16 = xc.scalar_type() == at::kBFloat16;
   // Plain buffers: a decode step makes ~120 of these calls (see parallel_blocks.h on tensor allocations).
   std::vector<float> widened;
   if (bf16) widened = widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()), rows * k);
   const float* xf = bf16 ? widened.data() : xc.data_ptr<float>();
   GgufLinearArgs args{qtype, packed.data_ptr<uint8_t>(), rows, k, n, {}, nullptr, bf16, out.data_ptr()};
-  const bool tile = rows >= kGgufTileMinRows && kernel.run_block_tile != nullptr;
+  const bool tile = path == Path::kTile;
   QuantizedActs acts;
   if (tile) {
     args.xf = xf;
@@ -139,6 +174,22 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t qt
 at::Tensor linear_gguf_isa(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
                            const std::string& isa) {
   return run(x, packed, qtype, n, parse_isa(isa));
+}
+
+// A forced path (int8, tile, amx; auto as linear_gguf): how tests check every path against the oracle and
+// benchmarks measure the crossings. Not for the model (no fake kernel).
+at::Tensor linear_gguf_path(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
+                            const std::string& isa, const std::string& path) {
+  return run(x, packed, qtype, n, parse_isa(isa), parse_path(path));
+}
+
+// The path linear_gguf_isa takes for `rows` rows of type `qtype` on tier `isa`.
+std::string linear_gguf_auto_path(int64_t qtype, int64_t rows, const std::string& isa) {
+  const Isa t = parse_isa(isa);
+  TORCH_CHECK(gguf_type_info(qtype).values != 0, "linear_gguf: unsupported ggml type ", qtype);
+  const GgufKernel kernel = kernel_for(t, qtype);
+  if (amx_for(t) && rows >= kGgufAmxMinRows) return "amx";
+  return rows >= kernel.tile_min_rows && kernel.run_block_tile != nullptr ? "tile" : "int8";
 }
 
 std::string linear_gguf_variant(const std::string& isa) {
@@ -173,11 +224,14 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("linear_gguf(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
   m.def("linear_gguf_isa(Tensor x, Tensor packed, int qtype, int n, str isa) -> Tensor");
   m.def("linear_gguf_variant(str isa) -> str", &ember::linear_gguf_variant);
+  m.def("linear_gguf_path(Tensor x, Tensor packed, int qtype, int n, str isa, str path) -> Tensor");
+  m.def("linear_gguf_auto_path(int qtype, int rows, str isa) -> str", &ember::linear_gguf_auto_path);
   m.def("gguf_rows(Tensor packed, Tensor ids, int qtype, int n, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember, CPU, m) {
   m.impl("linear_gguf", &ember::linear_gguf);
   m.impl("linear_gguf_isa", &ember::linear_gguf_isa);
+  m.impl("linear_gguf_path", &ember::linear_gguf_path);
   m.impl("gguf_rows", &ember::gguf_rows);
 }

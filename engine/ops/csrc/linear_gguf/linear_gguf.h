@@ -43,10 +43,15 @@ inline GgufTypeInfo gguf_type_info(int64_t qtype) {
 constexpr int64_t kGgufBlockRows = 32;  // output rows per unit of work stolen between threads
 constexpr float kGgufActMax = 127.0f;   // int8 activations: -127..127, so a sign flip never overflows
 
-// From this many rows on (prefill) a call dequantizes each 32-row block's K-chunk once into an fp32 tile and runs
-// the fp32 micro-kernel (linear/linear_fma_body.h) on fp32 activations, as linear_q does (linear_q.h measured the
-// crossing near 8-16 rows); below, integer dots on int8 activations.
+// From GgufKernel::tile_min_rows rows on (prefill; set per variant and type where the measured crossing is, 64-128
+// rows: linear_gguf_avx512vnni.cpp, _avx2.cpp) a call dequantizes each 32-row block's K-chunk once into an fp32
+// tile and runs the fp32 micro-kernel (linear/linear_fma_body.h) on fp32 activations; below, integer dots on int8
+// activations. kGgufTileMinRows only names the scalar reference's (it has no tile path).
 constexpr int64_t kGgufTileMinRows = 16;
+// AMX CPUs (avx512bf16 tier): the AMX path from this many rows on. Measured (1 thread, Llama-1B shapes, GFLOP/s
+// amx vs int8 avx512vnni): Q4_K 100/146 at 16 rows, 148/152 at 24, 196/153 at 32, 327/158 at 64; Q6_K 186/142 at
+// 32; Q8_0 139/109 at 24, 167/118 at 32; Q4_0 226/119 at 32.
+constexpr int64_t kGgufAmxMinRows = 32;
 constexpr int64_t kGgufTileChunk = 512;  // K values per tile (a multiple of 256): 512 x 32 x 4 B = 64 KiB, in L2
 
 // x quantized: row m, activation block j (32 or 256 values) of K.
@@ -69,6 +74,8 @@ struct GgufLinearArgs {
   const float* xf;      // [rows, K] fp32 activations (tile path), else nullptr
   bool out_bf16;        // out is bf16 (rounded to nearest even), else fp32
   void* out;            // [rows, n]
+  const uint16_t* xb;   // AMX path: [rows_pad, K] bf16 activations (rows past `rows` zero), else nullptr
+  int64_t rows_pad;     // rows rounded up to 16
 };
 
 struct GgufKernel {
@@ -76,10 +83,20 @@ struct GgufKernel {
   void (*run_block)(const GgufLinearArgs& a, int64_t block, float* scratch);       // integer dots
   void (*run_block_tile)(const GgufLinearArgs& a, int64_t block, float* scratch);  // fp32 tile (null: none)
   int lane_offset;  // GgufActs::off multiplier for this type and variant (0: the dot needs no offset)
+  int64_t tile_min_rows;  // from this many rows on the fp32 tile path runs (measured per variant and type)
 };
 
 inline int64_t gguf_scratch_floats(int64_t rows, bool tile) {
   return tile ? 2 * kGgufTileChunk * kGgufBlockRows + rows * kGgufBlockRows : 0;
+}
+
+// AMX many-row path (CPUs where cpu_has_amx_bf16()): each 32-row block's K-chunk dequantized to bf16 (one more
+// rounding of each weight, to nearest even) in AMX's B layout, activations rounded to bf16, tdpbf16ps with fp32
+// sums (linear/amx_bf16.h). From kGgufAmxMinRows rows on (measured: see linear_gguf_amx.cpp).
+using GgufBlockFn = void (*)(const GgufLinearArgs& a, int64_t block, float* scratch);
+GgufBlockFn linear_gguf_amx_block(int64_t qtype);
+inline int64_t gguf_amx_scratch_floats(int64_t rows_pad) {
+  return kGgufBlockRows * kGgufTileChunk + kGgufTileChunk * kGgufBlockRows / 2 + rows_pad * kGgufBlockRows;
 }
 
 GgufKernel linear_gguf_kernel_scalar(int64_t qtype);

@@ -17,6 +17,7 @@ struct G256 {
   // Weight rows per pass over a group, by activation rows: accumulators (and K-quants' int sums) in 16 ymm.
   static constexpr int rows_per_pass(int mt) { return mt == 1 ? 4 : mt == 2 ? 2 : 1; }
 
+  static constexpr int64_t tile_min_rows(int t) { return D::tile_min_rows(t); }
   using Single = G256;  // the policy of the one-activation-row kernels
   template <class Fn> static I rows(Fn f) { return f(0); }
   template <class Fn> static F rowsf(Fn f) { return _mm256_set1_ps(f(0)); }

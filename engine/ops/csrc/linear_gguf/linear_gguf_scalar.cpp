@@ -173,5 +173,5 @@ void ember::gguf_dequant_row(int64_t qtype, const uint8_t* group, int64_t r, int
 
 // No fp32 tile path: the scalar tier runs the integer reference at every row count.
 ember::GgufKernel ember::linear_gguf_kernel_scalar(int64_t) {
-  return {run_block, nullptr, 0};  // offsets applied to whole dots, not per lane
+  return {run_block, nullptr, 0, ember::kGgufTileMinRows};  // offsets applied to whole dots, not per lane
 }

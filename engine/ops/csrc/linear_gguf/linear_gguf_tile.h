@@ -136,7 +136,8 @@ struct GgufKernels {
   template <int T>
   static ember::GgufKernel entry() {
     constexpr int lane = T == ember::kQ4_0 ? 1 : T == ember::kQ5_0 ? 2 : T == ember::kQ8_0 && V::kQ8Offset ? 16 : 0;
-    return {GgufBody<V>::template run_block<T>, GgufTile<V, VF>::template run_block_tile<T>, lane};
+    return {GgufBody<V>::template run_block<T>, GgufTile<V, VF>::template run_block_tile<T>, lane,
+            V::tile_min_rows(T)};
   }
   static ember::GgufKernel make(int64_t qtype) {
     switch (qtype) {
