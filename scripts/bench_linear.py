@@ -9,6 +9,9 @@ just after that run), and GFLOP/s.
 
   .venv/bin/python scripts/bench_linear.py                      # everything (a few minutes, on an idle machine)
   .venv/bin/python scripts/bench_linear.py --types Q4_K Q8_0 --rows 1 8
+  .venv/bin/python scripts/bench_linear.py --types Q4_K --rows 16 32 64 --paths int8 tile amx --no-old
+    (each linear_gguf path forced, ember::linear_gguf_path: the crossings kGgufAmxMinRows / tile_min_rows;
+    amx runs once, on the avx512bf16 tier, where the CPU has AMX-BF16)
 """
 from __future__ import annotations
 
@@ -90,6 +93,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-old", action="store_true", help="skip ember::linear_q")
+    ap.add_argument("--paths", nargs="*", default=["auto"], help="linear_gguf paths: auto int8 tile amx")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     by_name = {v[0]: t for t, v in gb.GGUF_TYPES.items()}
@@ -103,10 +107,13 @@ def main() -> None:
     for tname in args.types:
         qtype = by_name[tname]
         new, old = weights(qtype, args.layers, rng)
-        for variant, tier in tiers.items():
-            ops = [("linear_gguf", new,
-                    lambda x, w, t=tier: torch.ops.ember.linear_gguf_isa(x, w[0], qtype, w[1], t))]
-            if not args.no_old:
+        runs = [(v, t, p) for v, t in tiers.items() for p in args.paths if p != "amx"]
+        if "amx" in args.paths and torch.ops.ember.isa_has_amx():
+            runs.append(("amx", "avx512bf16", "amx"))
+        for variant, tier, path in runs:
+            ops = [(f"gguf:{path}" if path != "auto" else "linear_gguf", new,
+                    lambda x, w, t=tier, p=path: torch.ops.ember.linear_gguf_path(x, w[0], qtype, w[1], t, p))]
+            if not args.no_old and path == args.paths[0]:
                 ops.append(("linear_q", old, lambda x, w, t=tier: torch.ops.ember.linear_q_isa(x, *w, t)))
             for op, ws, fn in ops:
                 for rows in args.rows:
