@@ -7,7 +7,7 @@ rows point at request row 0 / KV slot 0 with sequence length 1 (see engine/pools
 Graphs are never frozen: the weights are module state passed to every bucket's graph (packed once for
 ember::linear_bf16 in bf16, plain in fp32), so all buckets share one copy and each bucket's whole compiled step
 can be saved (dynamo's `aot_compile`) and loaded on the next start. Freezing would fold a copy of the weights into
-every bucket and bypass both the FX graph cache and the saved steps (DESIGN.md §3).
+every bucket and bypass both the FX graph cache and the saved steps (docs/design.md §3).
 
 The KV buffers' slot dimension (dim 0 of every k/v cache) is compiled symbolic: it only reaches the opaque
 `ember::decode_attention` op (which writes the new K/V and gathers the pool), so the generated code is the same as

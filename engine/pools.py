@@ -39,7 +39,7 @@ class KVPool:
     """Per-layer K and V buffers [num_slots + 1, kv_heads, head_dim] and the free-slot allocator.
 
     One tensor per layer (not one for all layers): inductor then writes the new K/V in place instead of
-    cloning a layer's slice of a shared buffer every step (DESIGN.md §4).
+    cloning a layer's slice of a shared buffer every step (docs/design.md §4).
     """
 
     def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:

@@ -1,4 +1,4 @@
-"""Imports point one way (DESIGN.md section 1): server.cli -> server.api / server.bench -> engine, and nothing in
+"""Imports point one way (docs/design.md §1): server.cli -> server.api / server.bench -> engine, and nothing in
 `engine` or `kernels_fake` imports `server`. Read from the source with ast, so imports inside functions (the lazy
 ones that keep torch out of `ember bench`) count too, and no module is imported to check."""
 from __future__ import annotations

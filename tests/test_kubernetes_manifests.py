@@ -3,7 +3,7 @@
 with Ember: selectors match the Ember pod labels, probes hit routes the app serves on the port it listens on, the
 cache volume sits at the image's compile cache, the HPA scales the Deployment on the name the Prometheus adapter
 gives `ember:num_requests_waiting`, smg's discovery flags find the pods, and the endpoint picker reads metric names
-Ember exports. Nothing here talks to a cluster: none can run on these machines (DESIGN.md section 9)."""
+Ember exports. Nothing here talks to a cluster: none can run on these machines (docs/design.md §9)."""
 from __future__ import annotations
 
 import copy

@@ -14,7 +14,7 @@ from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
-NEAR_TIE = 0.01  # DESIGN.md §7: a divergence is acceptable only where the reference's top two logits are this close
+NEAR_TIE = 0.01  # docs/design.md §7: a divergence is accepted only where the reference's top two logits are this close
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
