@@ -2,7 +2,7 @@
 
 A compile in the serving process holds its GIL and both cores for minutes: two streaming clients got 0.8 tok/s
 each while the default model's buckets compiled in a thread, against 70-86 once they were ready. The child
-(`python -m engine.compile_child`) builds the same runner from the prepared copy of the model in the compile cache,
+(`python -m engine.compile_worker`) builds the same runner from the prepared copy of the model in the compile cache,
 with the same resolved flags but a tiny KV pool (the saved steps' slot dimension is symbolic, engine/decode_graphs.py),
 compiles the buckets it is given with one thread under SCHED_IDLE (nice 19 where that is refused), saves each one
 atomically where the server looks for it, and prints `ready BUCKET SECONDS` on stdout. The server loads each saved step
@@ -12,7 +12,6 @@ The child exits when its stdin closes, so it never outlives the server, even one
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -20,8 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,7 +50,7 @@ class CompileChild:
     @classmethod
     def start(cls, config: EngineConfig, buckets: list[int], artifact_dir: Path) -> CompileChild:
         fields = dataclasses.asdict(config)
-        cmd = [sys.executable, "-m", "engine.compile_child", "--config", json.dumps(fields),
+        cmd = [sys.executable, "-m", "engine.compile_worker", "--config", json.dumps(fields),
                "--buckets", ",".join(map(str, buckets)), "--artifact-dir", str(artifact_dir)]
         return cls(cmd, child_env())
 
@@ -86,71 +83,3 @@ class CompileChild:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
-
-
-def _lowest_priority() -> str:
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # runs only on a core nothing else wants
-        return "SCHED_IDLE"
-    except (AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
-        return "nice 19"
-
-
-def _exit_when_stdin_closes() -> None:
-    def watch() -> None:
-        sys.stdin.read()  # returns at EOF: the server is gone (or closed the pipe to stop us)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="ember-parent-watch", daemon=True).start()
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="compile decode buckets for a running server (engine/compile_child.py)")
-    p.add_argument("--config", required=True, help="the server's resolved EngineConfig as JSON")
-    p.add_argument("--buckets", required=True, help="comma-separated buckets to compile, in order")
-    p.add_argument("--artifact-dir", required=True, help="the server's saved-steps folder: checked, not chosen")
-    a = p.parse_args(argv)
-    priority = _lowest_priority()
-    _exit_when_stdin_closes()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s compile-child %(levelname)s %(name)s: %(message)s")
-    log.setLevel(logging.INFO)  # its bucket lines; the runner's load lines would repeat the server's
-    import torch
-
-    from engine.core import _open
-    from engine.decode_graphs import DecodeGraphs
-    from engine.loader import resolve_model_path
-    from engine.loader.prepared import PreparedModel
-    from engine.model_runner import DecodeStepModule, ModelRunner
-
-    torch.set_num_threads(1)
-    fields = json.loads(a.config)
-    fields["decode_buckets"] = tuple(fields["decode_buckets"])
-    served = EngineConfig(**fields)
-    # A tiny pool, no compile of its own (the runner's graphs stay eager), one thread.
-    config = dataclasses.replace(served, max_total_tokens=CHILD_SLOTS, disable_compile=True, background_compile=False,
-                                 num_threads=1)
-    assert config.compile_cache_dir, "the compile child needs the server's --compile-cache-dir"
-    t0 = time.perf_counter()
-    prepared = PreparedModel(config.compile_cache_dir, resolve_model_path(config.model))
-    runner = ModelRunner(config, _open(config.model, prepared), prepared=prepared)
-    artifact_dir = runner._decode_artifact_dir()
-    if artifact_dir != Path(a.artifact_dir):
-        log.error("the compile child names its saved steps %s, the server %s: not compiling", artifact_dir,
-                  a.artifact_dir)
-        return 2
-    buckets = [int(b) for b in a.buckets.split(",")]
-    log.info("compiling decode buckets %s at %s priority with 1 thread (model loaded in %.1f s)", buckets, priority,
-             time.perf_counter() - t0)
-    graphs = DecodeGraphs(DecodeStepModule(runner.model), tuple(buckets), True, config.cpp_wrapper,
-                          artifact_dir=artifact_dir)
-
-    def report(bs: int, secs: float) -> None:
-        print(f"{READY} {bs} {secs:.3f}", flush=True)
-
-    graphs.capture(runner.req_pool.table, runner.k_caches, runner.v_caches, report)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,8 +12,8 @@ from transformers import PreTrainedTokenizerBase
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar.compiler import GrammarCompiler
-from engine.loader import LoadedCheckpoint, load_tokenizer, open_checkpoint, resolve_model_path
-from engine.loader.prepared import PreparedModel
+from engine.loader import resolve_model_path
+from engine.loader.prepared import PreparedModel, open_cached, tokenizer_cached
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -25,26 +25,6 @@ from engine.stop import StopChecker
 log = logging.getLogger("ember.engine")
 
 
-def _open(model: str | None, prepared: PreparedModel | None) -> LoadedCheckpoint:
-    cached = prepared.config() if prepared is not None else None
-    if cached is not None:  # weights are read from the source only if the entry lacks them for this dtype
-        return LoadedCheckpoint(cached, lambda keep_quantized=False: open_checkpoint(model).tensors(keep_quantized),
-                                quantized_source=cached.quantized)
-    checkpoint = open_checkpoint(model)
-    if prepared is not None:
-        prepared.save_config(checkpoint.config)
-    return checkpoint
-
-
-def _tokenizer(model: str | None, prepared: PreparedModel | None) -> PreTrainedTokenizerBase:
-    tok = prepared.tokenizer() if prepared is not None else None
-    if tok is None:
-        tok = load_tokenizer(model)
-        if prepared is not None:
-            prepared.save_tokenizer(tok)
-    return tok
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, on_bucket: Callable[[int, float], None] | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
@@ -52,9 +32,9 @@ class EngineCore:
         # With a compile cache, a prepared copy of the checkpoint there saves a restart the parsing (~10 s for a GGUF).
         prepared = (PreparedModel(config.compile_cache_dir, resolve_model_path(config.model))
                     if config.compile_cache_dir else None)
-        checkpoint = _open(config.model, prepared)
+        checkpoint = open_cached(config.model, prepared)
         self.model_config = checkpoint.config
-        self.tokenizer = tokenizer if tokenizer is not None else _tokenizer(config.model, prepared)
+        self.tokenizer = tokenizer if tokenizer is not None else tokenizer_cached(config.model, prepared)
         self.runner = ModelRunner(config, checkpoint, on_bucket, prepared)
         self.max_context = self.runner.max_context
         self.results = ResultProcessor(self.model_config.eos_token_ids, self.model_config.vocab_size, self.max_context)

@@ -76,7 +76,7 @@ class _Server:
             try:
                 self.peak["server"] = max(self.peak["server"], me.memory_info().rss)
                 for kid in me.children(recursive=True):
-                    if "engine.compile_child" in " ".join(kid.cmdline()):
+                    if "engine.compile_worker" in " ".join(kid.cmdline()):
                         self.peak["child"] = max(self.peak["child"], kid.memory_info().rss)
             except psutil.Error:
                 pass

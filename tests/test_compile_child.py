@@ -38,7 +38,7 @@ def _compile_children(server: Server) -> list[psutil.Process]:
     out = []
     for kid in kids:
         try:
-            if "engine.compile_child" in kid.cmdline():
+            if "engine.compile_worker" in kid.cmdline():
                 out.append(kid)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             pass

@@ -25,6 +25,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.files import write_atomically
+from engine.loader import LoadedCheckpoint, load_tokenizer, open_checkpoint
 from engine.loader import safetensors_io
 from engine.loader.model_config import ModelConfig
 from engine.model.llama import LlamaModel
@@ -133,3 +134,25 @@ class PreparedModel:
                 os.replace(tmp / marker, target / marker)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def open_cached(model: str | None, prepared: PreparedModel | None) -> LoadedCheckpoint:
+    """The checkpoint, its config from the prepared copy when there is one (saved there on a first open)."""
+    cached = prepared.config() if prepared is not None else None
+    if cached is not None:  # weights are read from the source only if the entry lacks them for this dtype
+        return LoadedCheckpoint(cached, lambda keep_quantized=False: open_checkpoint(model).tensors(keep_quantized),
+                                quantized_source=cached.quantized)
+    checkpoint = open_checkpoint(model)
+    if prepared is not None:
+        prepared.save_config(checkpoint.config)
+    return checkpoint
+
+
+def tokenizer_cached(model: str | None, prepared: PreparedModel | None) -> PreTrainedTokenizerBase:
+    """The tokenizer, from the prepared copy when there is one (saved there on a first load)."""
+    tok = prepared.tokenizer() if prepared is not None else None
+    if tok is None:
+        tok = load_tokenizer(model)
+        if prepared is not None:
+            prepared.save_tokenizer(tok)
+    return tok
