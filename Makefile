@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench-engine clean
+.PHONY: install serve test test-fast bench-engine clean
 
 install: $(STAMP)
 
@@ -22,8 +22,14 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/ember serve
 
+# Everything, as CI runs it (.ci/run).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The loop for a change to the engine or the server: their tests without the real model, the many-bucket compiles
+# and the deploy tests (tests/README.md).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not deploy" tests/engine tests/server tests/repo
 
 bench-engine: $(STAMP)
 	$(BIN)/ember bench-engine

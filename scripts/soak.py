@@ -4,7 +4,7 @@
     .venv/bin/python scripts/soak.py --short --json s.json  # CI-sized: 45 s of load (~80 s in all), 6 clients
 
 It starts N real `ember serve` replicas (the tiny random Llama unless --model is given; one compute thread each)
-and smg in front of them (tests/router_harness.py), then client threads drive mixed traffic through the router
+and smg in front of them (tests/support/router_harness.py), then client threads drive mixed traffic through the router
 until --duration runs out:
 
 - `sample`: /v1/completions or /v1/chat/completions, streamed or not, n = 1..3, temperature 0.8;
@@ -66,7 +66,7 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from router_harness import Cluster, Replica, start_cluster, stop_cluster  # noqa: E402
 from server_harness import API_KEY, MODEL_NAME, idle, metrics, tiny_server_args  # noqa: E402

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random HF model folders, and the real SmolLM2 GGUF with its transformers oracle."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,9 @@ import openai
 import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# The harnesses and tiny-model writers in tests/support are imported by name from every test folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from server_harness import TINY_CONTEXT, Server, http_client, openai_client, tiny_server
 from tiny_models import write_tiny_model
@@ -95,3 +99,14 @@ def client(server: Server) -> openai.OpenAI:
 def http(server: Server) -> Iterator[httpx.Client]:
     with http_client(server) as c:
         yield c
+
+
+DEPLOY = Path(__file__).resolve().parent / "deploy"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/deploy (container, router, Kubernetes, soak) carries the `deploy` marker, so the fast
+    loop (`make test-fast`: -m "not slow and not deploy") leaves it out without each file having to say so."""
+    for item in items:
+        if DEPLOY in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.deploy)

@@ -1,7 +1,7 @@
 """The real container test, scripts/container_test.sh, as a pytest test (marker `container`).
 
 It builds the Docker image with podman and runs it (several minutes, most of a 2-core machine), so it runs only
-when asked: EMBER_CONTAINER_TEST=1 python -m pytest -m container tests/test_container.py
+when asked: EMBER_CONTAINER_TEST=1 python -m pytest -m container tests/deploy/test_container.py
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "container_test.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "container_test.sh"
 
 
 @pytest.mark.container

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "configs" / "kubernetes"
 K8S_VERSION = "1.33.0"  # kubernetes-validate 1.37.0 ships the schemas of 1.25 to 1.37
 # Custom resources: their schemas come with their CRDs (the Gateway API Inference Extension's InferencePool,

@@ -12,7 +12,7 @@ from server.cli.config_resolve import ConfigError, env_name
 from server.cli.engine_args import engine_config_from_args
 from server.cli.main import build_parser, main, resolve_args
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.fixture(autouse=True)

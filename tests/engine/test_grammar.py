@@ -16,7 +16,7 @@ import torch
 from engine.grammar.masks import MaskBuffer, apply_masks
 from engine.grammar.spec import GrammarError, GrammarSpec
 from engine.sampling_params import SamplingParams
-from tests.scheduler_helpers import Arrival, Driver, assert_idle_and_empty, tiny_engine
+from scheduler_helpers import Arrival, Driver, assert_idle_and_empty, tiny_engine
 
 PERSON = {
     "type": "object",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.core
+import engine.loader.prepared
 import engine.model_runner
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -37,8 +37,8 @@ def test_restart_reads_the_prepared_copy_only(make_tiny_model: Callable[..., Pat
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the checkpoint was opened although a prepared copy exists")
 
-    monkeypatch.setattr(engine.core, "open_checkpoint", refuse)
-    monkeypatch.setattr(engine.core, "load_tokenizer", refuse)
+    monkeypatch.setattr(engine.loader.prepared, "open_checkpoint", refuse)
+    monkeypatch.setattr(engine.loader.prepared, "load_tokenizer", refuse)
     monkeypatch.setattr(engine.model_runner, "build_model", refuse)
     second = _core(folder, tmp_path, dtype)
     assert second.model_config == first.model_config

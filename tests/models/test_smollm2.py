@@ -13,7 +13,7 @@ from engine.quant.module import quantized_weights
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NEAR_TIE = 0.01  # docs/design.md §7: a divergence is accepted only where the reference's top two logits are this close
 QUESTIONS = [
     "What is the capital of France?",

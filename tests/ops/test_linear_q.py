@@ -102,7 +102,9 @@ def test_extreme_activations_keep_their_precision() -> None:
     """An outlier 1e4 times the rest of its block (LLMs' massive activations) leaves the others accurate: the
     per-block scale is int16, 2^-15 of the block maximum."""
     t = _weight("q8_0", 16, 64, seed=5)
-    x = torch.randn(1, 64) * 0.01
+    # A fixed generator: with the global one the data followed the test order, and the error (a random walk of 64
+    # rounding errors of up to 2^-16 of the outlier each) sat within a few percent of the bound.
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(11)) * 0.01
     x[0, 3] = 100.0
     ref = x @ dequantize(t).T
     _close(_run(x, t, "scalar"), ref, 1e-4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("server", "engine", "kernels_fake")
 
 # Which top-level layers each layer may import (besides itself). A layer is the longest matching prefix.

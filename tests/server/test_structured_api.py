@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server_harness import Server, assert_error, run_server
+from server_harness import Server, assert_error, run_server
 
 pytestmark = pytest.mark.slow
 

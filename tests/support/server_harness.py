@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import openai
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"  # served under this name (--served-model-name), whatever its folder is called
 MAX_RUNNING, MAX_QUEUED, MAX_N, MAX_BYTES = 4, 2, 4, 65536
