@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)  # its bucket lines; the runner's load lines would repeat the server's
     import torch
 
-    from engine.decode_graphs import DecodeGraphs
+    from engine.decode_graphs import DecodeGraphs, DecodeStepModule
     from engine.loader import resolve_model_path
     from engine.loader.prepared import PreparedModel, open_cached
-    from engine.model_runner import DecodeStepModule, ModelRunner
+    from engine.model_runner import ModelRunner
 
     torch.set_num_threads(1)
     fields = json.loads(a.config)

@@ -5,6 +5,7 @@ Used directly (in the caller's thread) by the offline CLI, the benchmark and the
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
@@ -12,12 +13,13 @@ from transformers import PreTrainedTokenizerBase
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar.compiler import GrammarCompiler
+from engine.kv_manager import KVManager
 from engine.loader import resolve_model_path
 from engine.loader.prepared import PreparedModel, open_cached, tokenizer_cached
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request
-from engine.result_processor import ResultProcessor, take_output
+from engine.output_processor import OutputProcessor, take_output
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
 from engine.stop import StopChecker
@@ -28,7 +30,7 @@ log = logging.getLogger("ember.engine")
 class EngineCore:
     def __init__(self, config: EngineConfig, on_bucket: Callable[[int, float], None] | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-        self.config = config
+        config = self.config = config.resolved()  # the one the runner, the scheduler and the server all read
         # With a compile cache, a prepared copy of the checkpoint there saves a restart the parsing (~10 s for a GGUF).
         prepared = (PreparedModel(config.compile_cache_dir, resolve_model_path(config.model))
                     if config.compile_cache_dir else None)
@@ -37,14 +39,39 @@ class EngineCore:
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_cached(config.model, prepared)
         self.runner = ModelRunner(config, checkpoint, on_bucket, prepared)
         self.max_context = self.runner.max_context
-        self.results = ResultProcessor(self.model_config.eos_token_ids, self.model_config.vocab_size, self.max_context)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
-        self.scheduler = Scheduler(self.runner, self.results, config)
+        # Sliding-window layers keep only each request's last window of K/V (engine/pools.py WindowKVPool), so a
+        # cached prefix would lack their part of it: such models recompute every prompt (docs/models.md).
+        prefix_cache = not config.disable_prefix_cache and self.runner.window_pool is None
+        self.kvm = KVManager(self.runner.kv_pool, self.runner.req_pool, prefix_cache=prefix_cache)
+        mc = self.model_config
+        self.outputs = OutputProcessor(self.kvm, mc.eos_token_ids, mc.vocab_size, self.max_context)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
+        self.scheduler = Scheduler(self.kvm, self.outputs, config)
 
-    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list[Request]:
-        """The n sequences of one request, validated against the model's limits (raises SamplingParamsError,
-        GrammarError among them). A grammar compiles here unless it is cached: the server compiles it first, on
-        its grammar thread (EngineClient callers must, or the event loop pays the compile)."""
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      validate: bool = True) -> list[Request]:
+        """The n sequences of one request, validated against the model's limits first unless the caller has
+        (`validate`). A grammar compiles here unless it is cached: the server compiles it first, on its grammar
+        thread (EngineClient callers must, or the event loop pays the compile)."""
+        if validate:
+            self.validate(prompt_ids, params)
+        room = self.max_context - len(prompt_ids)
+        return [
+            Request(
+                request_id=request_id, index=i, prompt_ids=list(prompt_ids), params=params,
+                max_new_tokens=min(params.max_tokens or room, room),
+                detok=IncrementalDetokenizer(self.tokenizer, list(prompt_ids), params.skip_special_tokens),
+                stop=StopChecker(params.stop),
+                seed=None if params.seed is None else params.seed + i,
+                matcher=None if params.grammar is None else self.grammars.matcher(params.grammar),
+            )
+            for i in range(params.n)
+        ]
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything that makes the engine refuse a prompt: raises SamplingParamsError (GrammarError among them,
+        for a grammar that does not compile). Reads only what is fixed once the model is loaded, so any thread may
+        call it."""
         if not prompt_ids:
             raise SamplingParamsError("the prompt must contain at least one token", "prompt")
         vocab = self.model_config.vocab_size
@@ -62,17 +89,8 @@ class EngineCore:
             raise SamplingParamsError(
                 f"prompt plus max_tokens ({len(prompt_ids) + wanted} tokens) exceeds the KV pool "
                 f"({self.runner.kv_pool.num_slots} tokens)", "max_tokens")
-        return [
-            Request(
-                request_id=request_id, index=i, prompt_ids=list(prompt_ids), params=params,
-                max_new_tokens=min(params.max_tokens or room, room),
-                detok=IncrementalDetokenizer(self.tokenizer, list(prompt_ids), params.skip_special_tokens),
-                stop=StopChecker(params.stop),
-                seed=None if params.seed is None else params.seed + i,
-                matcher=None if params.grammar is None else self.grammars.matcher(params.grammar),
-            )
-            for i in range(params.n)
-        ]
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # raises GrammarError; cached, so the matcher later is cheap
 
     def add(self, reqs: list[Request]) -> None:
         for req in reqs:
@@ -85,7 +103,18 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        return [o for r in self.scheduler.step() if (o := take_output(r)) is not None]
+        """One engine step in three phases: the scheduler decides a batch, the runner runs it, the output
+        processor samples, checks stops and releases KV; then the scheduler updates its queues. Returns the
+        outputs staged by it (and by requests the scheduler retracted or finished without a forward)."""
+        batch = self.scheduler.schedule()
+        touched = list(self.scheduler.take_touched())
+        if batch is not None:
+            t0 = time.perf_counter()
+            logits = self.runner.forward(batch)
+            self.outputs.process(batch, logits)
+            self.scheduler.update(batch, time.perf_counter() - t0)
+            touched.extend(batch.reqs)
+        return [o for r in touched if (o := take_output(r)) is not None]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline: run prompts to completion, return each request's output token ids (choice 0)."""

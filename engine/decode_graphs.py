@@ -35,14 +35,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torch import nn
+
 from engine.files import write_atomically
+from engine.forward_batch import DECODE_INPUTS, ForwardBatch
 
 if TYPE_CHECKING:
     from engine.compile_child import CompileChild
 
 log = logging.getLogger("ember.compile")
 
-# step(input_ids, positions, req_rows, seq_lens, out_slots, req_to_token, k_caches, v_caches) -> logits [B, V]
+# step(*DECODE_INPUTS, req_to_token, k_caches, v_caches) -> logits [B, V] (see DecodeStepModule)
 DecodeStep = Callable[..., torch.Tensor]
 EAGER = 0  # steps_per_bucket key of steps that ran the eager module because no fitting bucket was ready yet
 
@@ -65,7 +68,24 @@ class _Inputs:
         self.out_slots[start:end] = 0
 
     def view(self, bs: int) -> tuple[torch.Tensor, ...]:
-        return self.input_ids[:bs], self.positions[:bs], self.req_rows[:bs], self.seq_lens[:bs], self.out_slots[:bs]
+        """The first `bs` rows, in DECODE_INPUTS order."""
+        return tuple(getattr(self, name)[:bs] for name in DECODE_INPUTS)
+
+
+class DecodeStepModule(nn.Module):
+    """The pure decode step that torch.compile sees: weights are module state, everything else an input. A compiled
+    graph takes tensors, not the ForwardBatch itself, so the batch's tensors come in DECODE_INPUTS order and the step
+    rebuilds the batch the model reads."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor, out_slots: torch.Tensor,
+                seq_lens: torch.Tensor, req_to_token: torch.Tensor, k_caches: list[torch.Tensor],
+                v_caches: list[torch.Tensor]) -> torch.Tensor:
+        batch = ForwardBatch.decode(input_ids, positions, req_rows, out_slots, seq_lens, req_to_token)
+        return self.model(batch, k_caches, v_caches)
 
 
 def mark_slots_dynamic(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
@@ -87,7 +107,8 @@ class DecodeGraphs:
         self.step, self.buckets, self.compiled = step, tuple(sorted(buckets)), compile
         self.cpp_wrapper = cpp_wrapper
         self.artifact_dir = artifact_dir if compile else None
-        self.outcomes: dict[int, str] = {}
+        self.outcomes: dict[int, str] = {}  # bucket -> how it became ready, in words (the log's)
+        self.sources: dict[int, str] = {}  # bucket -> "eager" | "loaded" | "compiled" | "compile child"
         self.inputs = _Inputs(self.buckets[-1])
         self.fns: dict[int, DecodeStep] = {}  # written by the compile thread, read by the engine thread
         self.compile_seconds: dict[int, float] = {}
@@ -236,8 +257,11 @@ class DecodeGraphs:
                 with torch.no_grad():
                     fn(*args)  # the first call compiles (plain torch.compile) and warms every path
         secs = time.perf_counter() - t0 + compiled_elsewhere
+        source = "eager" if not self.compiled else "loaded" if outcome.startswith("loaded") else "compiled"
         if compiled_elsewhere:
             outcome = f"compiled by the compile child in {compiled_elsewhere:.1f} s, then {outcome}"
+            source = "compile child"
+        self.sources[bs] = source
         self.compile_seconds[bs] = secs
         self.outcomes[bs] = outcome
         self.fns[bs] = fn  # last: `run` may pick it up from now on
@@ -278,20 +302,17 @@ class DecodeGraphs:
         write_atomically(path, fn.save_compiled_function)
         return functools.partial(fn, self.step), f"compiled ahead of time, saved to {path}"
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor, out_slots: torch.Tensor,
-            req_to_token: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Logits [B, V] for one decode step of B real rows."""
-        b = int(input_ids.numel())
+    def run(self, batch: ForwardBatch, req_to_token: torch.Tensor, k_caches: list[torch.Tensor],
+            v_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Logits [B, V] for one decode batch of B real rows."""
+        b = batch.num_rows
         bs = self.bucket_for(b)
         fns = self.fns
         if bs not in fns:  # still compiling: the smallest ready bucket that holds the batch, else eager
             bs = next((c for c in self.buckets if c >= b and c in fns), EAGER)
         x = self.inputs
-        x.input_ids[:b] = input_ids
-        x.positions[:b] = positions
-        x.req_rows[:b] = req_rows
-        x.seq_lens[:b] = positions + 1
-        x.out_slots[:b] = out_slots
+        for name in DECODE_INPUTS:
+            getattr(x, name)[:b] = getattr(batch, name)
         self.steps_per_bucket[bs] += 1
         with torch.no_grad():
             if bs == EAGER:

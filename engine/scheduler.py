@@ -1,6 +1,8 @@
 """Continuous batching: admit within the KV budget, chunked prefill, decode, retract when the pool runs dry.
 
-Each `step()` runs one forward: a prefill (extend) batch or the running decode batch. When both have work, a
+An engine step has three phases (engine/core.py EngineCore.step): `schedule()` decides the next forward, a prefill
+batch or the running decode batch, as one ForwardBatch; the runner runs it; the output processor samples, checks
+stops and releases KV (engine/output_processor.py); then `update()` moves requests between the queues. When both have work, a
 decode step follows every `chunked_prefill_size` prompt tokens at most, and sooner when decode steps are cheap
 next to the prefill (DECODE_SHARE), so a long prompt being prefilled in chunks never stalls the decode batch for
 its whole length; prefill batches are small (PREFILL_BATCH_TOKENS), so of several prompts arriving together the
@@ -18,11 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch, PrefillChunk
 from engine.kv_manager import KVManager
+from engine.output_processor import OutputProcessor
 from engine.radix_cache import common_len
-from engine.model_runner import ExtendChunk, ModelRunner
 from engine.request import ReqStatus, Request
-from engine.result_processor import ResultProcessor
 
 log = logging.getLogger("ember.scheduler")
 
@@ -61,13 +63,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, results: ResultProcessor, config: EngineConfig) -> None:
-        self.runner, self.results, self.config = runner, results, config
-        self.req_pool = runner.req_pool
-        # Sliding-window layers keep only each request's last window of K/V (engine/pools.py WindowKVPool), so a
-        # cached prefix would lack their part of it: such models recompute every prompt (README, "Sliding windows").
-        prefix_cache = not config.disable_prefix_cache and runner.window_pool is None
-        self.kvm = KVManager(runner.kv_pool, self.req_pool, prefix_cache=prefix_cache)
+    def __init__(self, kvm: KVManager, outputs: OutputProcessor, config: EngineConfig) -> None:
+        self.kvm, self.outputs, self.config = kvm, outputs, config
+        self.req_pool = kvm.req_pool
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted; prompt (or recompute) partly in the cache
         self.running: list[Request] = []  # decode batch, in admission order
@@ -76,6 +74,7 @@ class Scheduler:
         self._prefill_since_decode = 0  # prompt tokens computed since the last decode step
         self._prefill_s_since_decode = 0.0  # and the seconds they took
         self._last_decode_s = 0.0
+        self._touched: list[Request] = []  # changed outside a forward (retracted, or finished for want of KV)
 
     # ---- queue management -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -90,35 +89,53 @@ class Scheduler:
         for req in hit:
             self._remove(req)
             self.kvm.release(req)
-            self.results.finish(req, "abort")
+            self.outputs.finish(req, "abort")
             self.stats.aborted += 1
         return hit
 
-    # ---- one step -----------------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one forward; return the requests that have new output (finished ones included)."""
-        t0 = time.perf_counter()
+    # ---- one step: schedule, (the runner, the output processor), update ------------------------------
+    def schedule(self) -> ForwardBatch | None:
+        """The next forward: a prefill batch while prompts wait (a decode step between them as DECODE_SHARE and
+        chunked_prefill_size say), else the running decode batch; None when nothing can run."""
         want_prefill = bool(self.waiting or self.prefilling)
         decode_due = (self._prefill_since_decode >= self.config.chunked_prefill_size
                       or self._prefill_s_since_decode >= DECODE_SHARE * self._last_decode_s)
         if want_prefill and (not self.running or not decode_due):
-            before = self.stats.prompt_tokens
-            touched = self._prefill_step()
-            if touched is not None:
-                self._prefill_s_since_decode += time.perf_counter() - t0
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("prefill %d requests, %d tokens: %.1f ms (%d waiting, %d running)", len(touched),
-                              self.stats.prompt_tokens - before, (time.perf_counter() - t0) * 1e3,
-                              len(self.waiting), len(self.running))
-                return touched
+            batch = self._schedule_prefill()
+            if batch is not None:
+                return batch
         self._prefill_since_decode, self._prefill_s_since_decode = 0, 0.0
-        if not self.running:
-            return []
-        t1 = time.perf_counter()
-        touched = self._decode_step()
-        self._last_decode_s = time.perf_counter() - t1
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("decode %d requests: %.1f ms", len(touched), (time.perf_counter() - t0) * 1e3)
+        return self._schedule_decode() if self.running else None
+
+    def update(self, batch: ForwardBatch, seconds: float) -> None:
+        """After the output processor: requests whose prompt completed join the decode batch, finished ones leave
+        their queue; `seconds` is what the forward and its outputs took."""
+        if batch.is_decode:
+            self._last_decode_s = seconds
+            self.stats.decode_steps += 1
+            self.stats.generation_tokens += len(batch.reqs)
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            self.running = [r for r in self.running if not r.finished]
+            log.debug("decode %d requests: %.1f ms", len(batch.reqs), seconds * 1e3)
+            return
+        self._prefill_s_since_decode += seconds
+        self.stats.prefill_steps += 1
+        tokens = sum(batch.chunk_lens)
+        self._prefill_since_decode += tokens
+        self.stats.prompt_tokens += tokens
+        for i in batch.sampled:
+            req = batch.reqs[i]
+            self.prefilling.remove(req)
+            self.stats.generation_tokens += 1
+            if not req.finished:
+                req.status = ReqStatus.RUNNING
+                self.running.append(req)
+        log.debug("prefill %d requests, %d tokens: %.1f ms (%d waiting, %d running)", len(batch.reqs), tokens,
+                  seconds * 1e3, len(self.waiting), len(self.running))
+
+    def take_touched(self) -> list[Request]:
+        """Requests changed since the last call without a forward of theirs (retracted, finished for want of KV)."""
+        touched, self._touched = self._touched, []
         return touched
 
     def _reserved(self) -> float:
@@ -169,11 +186,11 @@ class Scheduler:
                 return True
         return False
 
-    def _prefill_step(self) -> list[Request] | None:
+    def _schedule_prefill(self) -> ForwardBatch | None:
         self._admit()
         # With a decode batch waiting, at most chunked_prefill_size prompt tokens run between two decode steps.
         budget = self.config.chunked_prefill_size - (self._prefill_since_decode if self.running else 0)
-        chunks: list[ExtendChunk] = []
+        chunks: list[PrefillChunk] = []
         members: list[Request] = []
         taken = 0
         for req in self.prefilling:
@@ -185,65 +202,39 @@ class Scheduler:
             slots = self.kvm.allocate(take)
             if slots is None:
                 break
-            chunks.append(ExtendChunk(req.req_row, req.kv_len, req.all_ids[req.kv_len : req.kv_len + take], slots,
-                                      req.fill_len))
+            chunks.append(PrefillChunk(req.req_row, req.kv_len, req.all_ids[req.kv_len : req.kv_len + take], slots,
+                                       req.fill_len))
             members.append(req)
             taken += take
         if not chunks:
             return None
-        logits = self.runner.extend(chunks)
-        self.stats.prefill_steps += 1
-        done_idx = []
-        for i, (req, chunk) in enumerate(zip(members, chunks)):
-            req.kv_len += len(chunk.token_ids)
-            self._prefill_since_decode += len(chunk.token_ids)
-            self.kvm.publish(req)
-            self.stats.prompt_tokens += len(chunk.token_ids)
-            if req.kv_len == req.fill_len:
-                done_idx.append(i)
-        done = [members[i] for i in done_idx]
-        if done:
-            self.results.sample_and_append(done, logits[done_idx])
-            for req in done:
-                self.prefilling.remove(req)
-                if req.finished:
-                    self.kvm.release(req)
-                else:
-                    req.status = ReqStatus.RUNNING
-                    self.running.append(req)
-        self.stats.generation_tokens += len(done)
-        return members
+        completes = tuple(c.prefix_len + len(c.token_ids) == r.fill_len for c, r in zip(chunks, members))
+        return ForwardBatch.prefill(chunks, tuple(members), completes)
 
-    def _decode_step(self) -> list[Request]:
-        touched: list[Request] = []
+    def _schedule_decode(self) -> ForwardBatch | None:
         while self.kvm.headroom() < len(self.running):
             if self.prefilling:  # half-prefilled requests give their slots back first
-                touched.append(self._retract(self.prefilling[-1]))
+                self._touched.append(self._retract(self.prefilling[-1]))
                 continue
             if len(self.running) == 1:  # alone and the pool is full: it can never continue
                 req = self.running.pop()
                 self.kvm.release(req)
-                self.results.finish(req, "length")
-                return [req]
-            touched.append(self._retract(self.running[-1]))
+                self.outputs.finish(req, "length")
+                self._touched.append(req)
+                return None
+            self._touched.append(self._retract(self.running[-1]))
         batch = self.running
         slots = self.kvm.allocate(len(batch))
         assert slots is not None  # ensured by the loop above
-        rows = torch.tensor([r.req_row for r in batch], dtype=torch.int64)
         positions = torch.tensor([r.fill_len - 1 for r in batch], dtype=torch.int64)
-        ids = torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64)
-        logits = self.runner.decode(rows, positions, ids, slots)
-        self.stats.decode_steps += 1
-        self.stats.generation_tokens += len(batch)
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        for req in batch:
-            req.kv_len += 1
-        self.results.sample_and_append(batch, logits)
-        self.running = [r for r in batch if not r.finished]
-        for req in batch:
-            if req.finished:
-                self.kvm.release(req)
-        return touched + batch
+        return ForwardBatch.decode(
+            input_ids=torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64),
+            positions=positions,
+            req_rows=torch.tensor([r.req_row for r in batch], dtype=torch.int64),
+            seq_lens=positions + 1,
+            out_slots=slots,
+            reqs=tuple(batch),
+        )
 
     # ---- KV bookkeeping -------------------------------------------------------------------------------
     def _retract(self, req: Request) -> Request:

@@ -1,4 +1,4 @@
-"""Fake kernels for `ember::decode_attention` and `ember::extend_attention`: output shape = q's shape."""
+"""Fake kernels for `ember::decode_attention` and `ember::prefill_attention`: output shape = q's shape."""
 from __future__ import annotations
 
 import torch
@@ -22,8 +22,8 @@ def _decode_attention_fake(
     return torch.empty_like(q)
 
 
-@torch.library.register_fake("ember::extend_attention")
-def _extend_attention_fake(
+@torch.library.register_fake("ember::prefill_attention")
+def _prefill_attention_fake(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -33,7 +33,7 @@ def _extend_attention_fake(
     req_to_token: torch.Tensor,
     req_rows: torch.Tensor,
     prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
+    prefill_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     return torch.empty_like(q)

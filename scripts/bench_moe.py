@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 import engine.ops.moe as moe_op
 from engine.config import EngineConfig
 from engine.loader import open_checkpoint
-from engine.model_runner import ExtendChunk, ModelRunner
+from engine.forward_batch import ForwardBatch, PrefillChunk
+from engine.model_runner import ModelRunner
 from server.bench.engine import _ember_decode_tps
 
 
@@ -61,8 +62,8 @@ def _expert_reads(folder: Path, args: argparse.Namespace, batch: int) -> dict[st
         row, slots = runner.req_pool.allocate(), runner.kv_pool.allocate(args.prompt_len)
         assert row is not None and slots is not None
         rows.append(row)
-        chunks.append(ExtendChunk(row, 0, torch.randint(0, 32000, (args.prompt_len,), generator=gen).tolist(), slots))
-    tokens = runner.extend(chunks).argmax(-1)
+        chunks.append(PrefillChunk(row, 0, torch.randint(0, 32000, (args.prompt_len,), generator=gen).tolist(), slots))
+    tokens = runner.forward(ForwardBatch.prefill(chunks)).argmax(-1)
     calls: list[tuple[int, int, int, int]] = []  # (stack, expert, rows, weight bytes)
     original = moe_op._expert_linear
 
@@ -75,7 +76,7 @@ def _expert_reads(folder: Path, args: argparse.Namespace, batch: int) -> dict[st
     try:
         slots = runner.kv_pool.allocate(batch)
         assert slots is not None
-        runner.decode(torch.tensor(rows), torch.full((batch,), args.prompt_len), tokens, slots)
+        runner.forward(ForwardBatch.decode(tokens, torch.full((batch,), args.prompt_len), torch.tensor(rows), slots))
     finally:
         moe_op._expert_linear = original
     assert len({(c[0], c[1]) for c in calls}) == len(calls), "an expert's weight was read twice in one step"

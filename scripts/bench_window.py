@@ -22,7 +22,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from engine.config import EngineConfig
 from engine.loader import open_checkpoint
-from engine.model_runner import ExtendChunk, ModelRunner
+from engine.forward_batch import ForwardBatch, PrefillChunk
+from engine.model_runner import ModelRunner
 
 
 def write_model(folder: Path, context: int) -> Path:
@@ -53,7 +54,7 @@ def measure(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict[s
         row, slots = runner.req_pool.allocate(), runner.kv_pool.allocate(len(p))
         assert row is not None and slots is not None
         t0 = time.perf_counter()
-        logits = runner.extend([ExtendChunk(row, 0, p, slots)])
+        logits = runner.forward(ForwardBatch.prefill([PrefillChunk(row, 0, p, slots)]))
         prefill.append(time.perf_counter() - t0)
         rows.append(row)
         seqs.append(p + [int(logits[0].argmax())])
@@ -63,7 +64,8 @@ def measure(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict[s
         assert slots is not None
         positions = torch.tensor([len(s) - 1 for s in seqs])
         t0 = time.perf_counter()
-        logits = runner.decode(torch.tensor(rows), positions, torch.tensor([s[-1] for s in seqs]), slots)
+        ids = torch.tensor([s[-1] for s in seqs])
+        logits = runner.forward(ForwardBatch.decode(ids, positions, torch.tensor(rows), slots))
         step_s.append(time.perf_counter() - t0)
         seqs = [s + [int(t)] for s, t in zip(seqs, logits.argmax(-1))]
     return {"kv_gib": kv / 2**30, "prefill_s": statistics.median(prefill), "step_ms": statistics.median(step_s) * 1e3}

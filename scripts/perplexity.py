@@ -16,6 +16,7 @@ own token ids (its pre-tokenizer splits "\\n\\n  " differently from transformers
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.config import EngineConfig  # noqa: E402
 from engine.loader import load_tokenizer, open_checkpoint  # noqa: E402
-from engine.model.attention_meta import ExtendMeta  # noqa: E402
+from engine.forward_batch import ForwardBatch, PrefillChunk  # noqa: E402
 from engine.model.weights import build_model  # noqa: E402
 from engine.quant.module import describe_weights  # noqa: E402
 
@@ -68,14 +69,14 @@ def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: i
         # positions first .. ctx - 2 go in calls of `step` rows.
         bounds = [0, *range(first, ctx - 1, step), ctx - 1] if rows_per_call else [0, ctx]
         for start, end in zip(bounds, bounds[1:]):
-            meta = ExtendMeta(out_slots=torch.arange(start, end), req_to_token=torch.arange(ctx).unsqueeze(0),
-                              req_rows=torch.tensor([0]), prefix_lens=torch.tensor([start]),
-                              extend_lens=torch.tensor([end - start]))
+            # One request in row 0 whose slot for position p is p (an identity table).
+            part = PrefillChunk(0, start, chunk[start:end].tolist(), torch.arange(start, end))
+            batch = ForwardBatch.prefill([part]).with_table(torch.arange(ctx).unsqueeze(0))
             rows = torch.arange(max(first, start), min(end, ctx - 1))
             if not len(rows):  # the fill: only its last row's logits are computed, and dropped
-                model(chunk[start:end], torch.arange(start, end), meta, k, v, logit_rows=torch.tensor([end - start - 1]))
+                model(batch, k, v)
                 continue
-            logits = model(chunk[start:end], torch.arange(start, end), meta, k, v, logit_rows=rows - start).float()
+            logits = model(dataclasses.replace(batch, logit_rows=rows - start), k, v).float()
             nll = torch.nn.functional.cross_entropy(logits, chunk[rows + 1], reduction="none")
             nlls += nll.tolist()
     mean = sum(nlls) / len(nlls)

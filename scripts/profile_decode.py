@@ -16,7 +16,8 @@ from torch.profiler import profile
 
 from engine.config import EngineConfig
 from engine.loader import open_checkpoint
-from engine.model_runner import ExtendChunk, ModelRunner
+from engine.forward_batch import ForwardBatch, PrefillChunk
+from engine.model_runner import ModelRunner
 
 
 def main() -> None:
@@ -32,14 +33,14 @@ def main() -> None:
         row, slots = runner.req_pool.allocate(), runner.kv_pool.allocate(128)
         assert row is not None and slots is not None
         rows.append(row)
-        chunks.append(ExtendChunk(row, 0, torch.randint(0, 49152, (128,), generator=gen).tolist(), slots))
-    tokens = runner.extend(chunks).argmax(-1)
+        chunks.append(PrefillChunk(row, 0, torch.randint(0, 49152, (128,), generator=gen).tolist(), slots))
+    tokens = runner.forward(ForwardBatch.prefill(chunks)).argmax(-1)
     rows_t = torch.tensor(rows)
     out_slots = runner.kv_pool.allocate(bs)  # every step rewrites the same slots: fine for timing
     assert out_slots is not None
 
     def step(i: int) -> None:
-        runner.decode(rows_t, torch.full((bs,), 128 + i), tokens, out_slots)
+        runner.forward(ForwardBatch.decode(tokens, torch.full((bs,), 128 + i), rows_t, out_slots))
 
     for i in range(5):
         step(i)

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.loader.model_config import ModelConfig
-from engine.model.attention_meta import AttentionMeta
+from engine.forward_batch import ForwardBatch
 from engine.model.llama import LlamaModel, _param
 from engine.model.rope import apply_rope
-from engine.model.window import window_meta
+from engine.model.window import WindowPrefillMeta, window_meta
 from engine.ops.linear import embedding, linear
 
 
@@ -46,8 +46,8 @@ class Gemma3Layer(nn.Module):
         self.post_feedforward_layernorm = _param(h)
         self.moe = None  # (the weight loaders ask)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: object, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: ForwardBatch | WindowPrefillMeta,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, t, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
         h = gemma_norm(x, self.input_layernorm, eps)
         q, k, v = linear(h, self.qkv_proj, self.qkv_size).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -88,24 +88,22 @@ class Gemma3Model(LlamaModel):
         """Run the window layers over rings (the caches passed for them are then WindowKVPool buffers)."""
         self.ring_table = ring_table
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta,
-                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        cfg = self.cfg
-        x = embedding(input_ids, self.embed_tokens, self.norm.dtype)
+    def forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+        cfg, positions = self.cfg, batch.positions
+        x = embedding(batch.input_ids, self.embed_tokens, self.norm.dtype)
         x = x * self.embed_scale.to(x.dtype)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         lcos, lsin = self.local_cos[positions].to(x.dtype), self.local_sin[positions].to(x.dtype)
         if self.needs_rings and self.ring_table is None:
             raise RuntimeError("window layers need their rings (use_rings) when the window is shorter than the context")
-        local = meta if self.ring_table is None else window_meta(meta, positions, self.ring_table, cfg.sliding_window)
+        local = batch if self.ring_table is None else window_meta(batch, self.ring_table, cfg.sliding_window)
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
             if i in self.window_layers:
                 x = layer(x, lcos, lsin, local, k_cache, v_cache)
             else:
-                x = layer(x, cos, sin, meta, k_cache, v_cache)
-        if logit_rows is not None:
-            x = x.index_select(0, logit_rows)
+                x = layer(x, cos, sin, batch, k_cache, v_cache)
+        if batch.logit_rows is not None:
+            x = x.index_select(0, batch.logit_rows)
         logits = self.logits(gemma_norm(x, self.norm, cfg.rms_norm_eps))
         if cfg.final_logit_softcap:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap

@@ -3,7 +3,7 @@ partial rotary) over the KV pool.
 
 The forward is a pure function of its inputs plus the weights: tokens are flattened to [T] (prefill: all new
 tokens of all requests; decode: one per request), caches are passed in per layer, attention inputs arrive
-as one `AttentionMeta`. Q/K/V and gate/up are fused into one matmul each: fewer, fatter GEMMs suit the
+as one `ForwardBatch` (engine/forward_batch.py). Q/K/V and gate/up are fused into one matmul each: fewer, fatter GEMMs suit the
 skinny decode shapes, and the loader fills the fused weights slice by slice (no second copy of the weights).
 On every CPU tier with packed kernels (AVX2 and up) the loader then packs every dense linear weight for
 `ember::linear_bf16` / `linear_f32` (engine/ops/linear.py), or keeps it quantized (engine/quant/, a module in place
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.loader.model_config import ModelConfig
-from engine.model.attention_meta import AttentionMeta
+from engine.forward_batch import ForwardBatch
 from engine.model.moe import SparseMoE
 from engine.model.rope import apply_rope, longrope_rows
 from engine.ops.linear import embedding, linear
@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: AttentionMeta,
+        meta: ForwardBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -123,24 +123,23 @@ class LlamaModel(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        meta: AttentionMeta,
+        batch: ForwardBatch,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
-        logit_rows: torch.Tensor | None = None,  # rows whose logits are wanted (prefill: each request's last token)
     ) -> torch.Tensor:
-        x = embedding(input_ids, self.embed_tokens, self.norm.dtype)  # the norms are in the serving dtype
+        """fp32 logits [N, V]: of each decode row, or of each prefill chunk's last token (batch.logit_rows)."""
+        positions = batch.positions
+        x = embedding(batch.input_ids, self.embed_tokens, self.norm.dtype)  # the norms are in the serving dtype
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         if self.rope_long_after is not None:  # LongRoPE past its original context
-            use_long = longrope_rows(positions, meta, self.rope_long_after)[:, None]
+            use_long = longrope_rows(batch, self.rope_long_after)[:, None]
             cos = torch.where(use_long, self.rope_cos_long[positions], cos)
             sin = torch.where(use_long, self.rope_sin_long[positions], sin)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            x = layer(x, cos, sin, meta, k_cache, v_cache)
-        if logit_rows is not None:
-            x = x.index_select(0, logit_rows)
+            x = layer(x, cos, sin, batch, k_cache, v_cache)
+        if batch.logit_rows is not None:
+            x = x.index_select(0, batch.logit_rows)
         return self.logits(rms_norm(x, self.norm, self.cfg.rms_norm_eps))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

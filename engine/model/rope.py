@@ -5,7 +5,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model.attention_meta import AttentionMeta, ExtendMeta
+from engine.forward_batch import ForwardBatch
 
 
 def inv_freq_and_scaling(hf_config: PretrainedConfig, rope_type: str, theta: float, rotary_dim: int,
@@ -44,15 +44,16 @@ def longrope_long_table(hf_config: PretrainedConfig, max_pos: int) -> tuple[torc
     return (*rope_table(long_inv_freq.float(), float(scaling), max_pos), original)
 
 
-def longrope_rows(positions: torch.Tensor, meta: AttentionMeta, original_max: int) -> torch.Tensor:
+def longrope_rows(batch: ForwardBatch, original_max: int) -> torch.Tensor:
     """[T] bool: which tokens take LongRoPE's long factors. transformers' rule, per request: long when the sequence
     of its forward is longer than `original_max`; a prompt is one forward there, so every chunk of a chunked prefill
-    goes by the length the whole prefill reaches (meta.fill_lens). Keys already in the cache keep the factors they
+    goes by the length the whole prefill reaches (batch.fill_lens). Keys already in the cache keep the factors they
     were computed with, as in transformers' own cache when decoding crosses `original_max`."""
-    if isinstance(meta, ExtendMeta):
-        ends = meta.prefix_lens + meta.extend_lens if meta.fill_lens is None else meta.fill_lens
-        return torch.repeat_interleave(ends > original_max, meta.extend_lens)
-    return positions >= original_max  # decode: the sequence is position + 1 long
+    if not batch.is_decode:
+        assert batch.prefix_lens is not None and batch.prefill_lens is not None
+        ends = batch.prefix_lens + batch.prefill_lens if batch.fill_lens is None else batch.fill_lens
+        return torch.repeat_interleave(ends > original_max, batch.prefill_lens)
+    return batch.positions >= original_max  # decode: the sequence is position + 1 long
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Attention inputs of the sliding-window layers: the step's AttentionMeta re-aimed at their rings (engine/pools.py).
+"""Attention inputs of the sliding-window layers: the step's ForwardBatch re-aimed at their rings (engine/pools.py).
 
 Decode needs no kernel of its own: with position p in ring entry p % window, the last min(p + 1, window) positions
 are exactly ring entries 0 .. min(p + 1, window) - 1 of the row (in rotated order), and attention over them does not
@@ -11,32 +11,32 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.attention_meta import AttentionMeta, DecodeMeta
-from engine.ops.window_attention import window_extend_attention
+from engine.forward_batch import ForwardBatch
+from engine.ops.window_attention import window_prefill_attention
 
 
 @dataclass(frozen=True)
-class WindowExtendMeta:
+class WindowPrefillMeta:
     """A prefill chunk as a window layer sees it."""
 
     ring_table: torch.Tensor
     req_rows: torch.Tensor
     prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
+    prefill_lens: torch.Tensor
     window: int
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        return window_extend_attention(q, k, v, k_ring, v_ring, self.ring_table, self.req_rows, self.prefix_lens,
-                                       self.extend_lens, self.window, scale)
+        return window_prefill_attention(q, k, v, k_ring, v_ring, self.ring_table, self.req_rows, self.prefix_lens,
+                                       self.prefill_lens, self.window, scale)
 
 
-def window_meta(meta: AttentionMeta, positions: torch.Tensor, ring_table: torch.Tensor,
-                window: int) -> DecodeMeta | WindowExtendMeta:
-    if isinstance(meta, DecodeMeta):
+def window_meta(batch: ForwardBatch, ring_table: torch.Tensor, window: int) -> ForwardBatch | WindowPrefillMeta:
+    if batch.is_decode:
         # Padded rows (row 0, position 0) land in slot 0, as in the full layers.
-        slots = ring_table[meta.req_rows, positions % window].to(torch.int64)
-        return DecodeMeta(out_slots=slots, req_to_token=ring_table, req_rows=meta.req_rows,
-                          seq_lens=meta.seq_lens.clamp(max=window))
-    return WindowExtendMeta(ring_table, meta.req_rows, meta.prefix_lens, meta.extend_lens, window)
+        assert batch.seq_lens is not None
+        slots = ring_table[batch.req_rows, batch.positions % window].to(torch.int64)
+        return ForwardBatch.decode(batch.input_ids, batch.positions, batch.req_rows, slots,
+                                   batch.seq_lens.clamp(max=window), req_to_token=ring_table)
+    return WindowPrefillMeta(ring_table, batch.req_rows, batch.prefix_lens, batch.prefill_lens, window)

@@ -53,7 +53,7 @@ if not NATIVE_DECODE_ATTENTION:
     torch.library.custom_op("ember::decode_attention", mutates_args=("k_cache", "v_cache"))(reference_decode_attention)
 
 
-def extend_attention(
+def prefill_attention(
     q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
@@ -63,7 +63,7 @@ def extend_attention(
     req_to_token: torch.Tensor,
     req_rows: torch.Tensor,  # [N] int64
     prefix_lens: torch.Tensor,  # [N] int64: tokens already in the cache before this chunk
-    extend_lens: torch.Tensor,  # [N] int64: new tokens of each request in this chunk
+    prefill_lens: torch.Tensor,  # [N] int64: new tokens of each request in this chunk
     scale: float,
 ) -> torch.Tensor:
     k_cache.index_copy_(0, out_slots, k)
@@ -72,7 +72,7 @@ def extend_attention(
     out = torch.empty_like(q)
     start = 0
     # Prefill is few requests of many tokens each: one SDPA per request is the efficient shape.
-    for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+    for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), prefill_lens.tolist()):
         qs = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
         if prefix == 0:
             # A whole prompt (the common case): its keys are this chunk's own k/v (no gather from the pool), and
@@ -99,7 +99,7 @@ def extend_attention(
     return out
 
 
-# Registered as an op for graphs that would trace prefill; the eager prefill (engine/model/attention_meta.py) calls the
+# Registered as an op for graphs that would trace prefill; the eager prefill (engine/forward_batch.py ForwardBatch.attend) calls the
 # function itself: through the dispatcher, a Python custom op's first call imports dynamo (~1.3 s of a short
 # `ember generate`), and every call pays the op's Python dispatch.
-torch.library.custom_op("ember::extend_attention", mutates_args=("k_cache", "v_cache"))(extend_attention)
+torch.library.custom_op("ember::prefill_attention", mutates_args=("k_cache", "v_cache"))(prefill_attention)

@@ -4,7 +4,7 @@ A query at position p sees keys at (p - window, p]. A chunk of new tokens at [P,
 last min(P, window - 1) cached positions plus the chunk itself; those are gathered first, because writing the chunk
 into the ring overwrites positions its own early queries still see. Long chunks run in query blocks of `window`, each
 against at most 2 * window - 1 keys, so a prompt costs O(n * window), not O(n^2): the window saves time as well as
-memory. Eager only, like extend_attention (engine/ops/attention.py).
+memory. Eager only, like prefill_attention (engine/ops/attention.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 
-def window_extend_attention(
+def window_prefill_attention(
     q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
@@ -21,14 +21,14 @@ def window_extend_attention(
     ring_table: torch.Tensor,  # [rows + 1, window] int32: (request row, position % window) -> ring slot
     req_rows: torch.Tensor,  # [N] int64
     prefix_lens: torch.Tensor,  # [N] int64: tokens already computed before this chunk
-    extend_lens: torch.Tensor,  # [N] int64
+    prefill_lens: torch.Tensor,  # [N] int64
     window: int,
     scale: float,
 ) -> torch.Tensor:
     heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     start = 0
-    for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+    for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), prefill_lens.tolist()):
         kn, vn = k[start : start + ext], v[start : start + ext]
         old = min(prefix, window - 1)  # cached positions the chunk's first query still sees
         keys, values = kn, vn
@@ -37,7 +37,7 @@ def window_extend_attention(
             keys, values = torch.cat([k_ring[cached], kn]), torch.cat([v_ring[cached], vn])
         qs = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
         if not old and ext <= window:
-            # The whole window is visible: plain causal attention, SDPA's flash path (see extend_attention).
+            # The whole window is visible: plain causal attention, SDPA's flash path (see prefill_attention).
             group = heads // kv_heads
             kh = keys.transpose(0, 1).repeat_interleave(group, dim=0)
             vh = values.transpose(0, 1).repeat_interleave(group, dim=0)

@@ -28,7 +28,8 @@ def _ember_decode_tps(config: EngineConfig, batches: list[int], prompt_len: int,
     import torch  # here, not at the top: `ember bench` builds this parser and must not pay for torch
 
     from engine.loader import open_checkpoint
-    from engine.model_runner import ExtendChunk, ModelRunner
+    from engine.forward_batch import ForwardBatch, PrefillChunk
+    from engine.model_runner import ModelRunner
 
     runner = ModelRunner(config, open_checkpoint(config.model))
     gen = torch.Generator().manual_seed(0)
@@ -42,8 +43,8 @@ def _ember_decode_tps(config: EngineConfig, batches: list[int], prompt_len: int,
             ids = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
             slots = runner.kv_pool.allocate(prompt_len)
             assert slots is not None
-            chunks.append(ExtendChunk(row, 0, ids, slots))
-        tokens = runner.extend(chunks).argmax(-1)
+            chunks.append(PrefillChunk(row, 0, ids, slots))
+        tokens = runner.forward(ForwardBatch.prefill(chunks)).argmax(-1)
         rows_t = torch.tensor(rows, dtype=torch.int64)
         for step in range(steps + 2):
             if step == 2:  # two warm-up steps, then time
@@ -51,7 +52,7 @@ def _ember_decode_tps(config: EngineConfig, batches: list[int], prompt_len: int,
             slots = runner.kv_pool.allocate(b)
             assert slots is not None
             positions = torch.full((b,), prompt_len + step, dtype=torch.int64)
-            tokens = runner.decode(rows_t, positions, tokens, slots).argmax(-1)
+            tokens = runner.forward(ForwardBatch.decode(tokens, positions, rows_t, slots)).argmax(-1)
         result[b] = b * steps / (time.perf_counter() - t0)
         for row in rows:
             runner.kv_pool.free(runner.req_pool.table[row, : prompt_len + steps + 2].to(torch.int64))

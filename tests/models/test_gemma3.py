@@ -23,7 +23,8 @@ from engine.loader import UnsupportedModelError, load_tokenizer, open_checkpoint
 from engine.loader.gguf_file import gguf_chat_template
 from engine.loader.prepared import PreparedModel
 from engine.model.weights import model_on_meta
-from engine.model_runner import ExtendChunk, ModelRunner
+from engine.forward_batch import ForwardBatch, PrefillChunk
+from engine.model_runner import ModelRunner
 from engine.pools import KVPool
 from engine.quant.module import quantized_weights
 from engine.sampling_params import SamplingParams
@@ -186,7 +187,8 @@ def test_chunked_prefill_matches_one_forward(make_gemma3, chunk: int) -> None:
     assert row is not None and slots is not None
     for start in range(0, 40, chunk):
         end = min(40, start + chunk)
-        logits = runner.extend([ExtendChunk(row, start, prompt[start:end], slots[start:end], fill_len=40)])[0]
+        part = PrefillChunk(row, start, prompt[start:end], slots[start:end], fill_len=40)
+        logits = runner.forward(ForwardBatch.prefill([part]))[0]
         torch.testing.assert_close(logits, ref[end - 1], atol=2e-5, rtol=1e-5)
 
 

@@ -25,7 +25,8 @@ from engine.config import EngineConfig
 from engine.loader import UnsupportedModelError, load_tokenizer, open_checkpoint
 from engine.loader.prepared import PreparedModel
 from engine.model.weights import model_on_meta
-from engine.model_runner import ExtendChunk, ModelRunner
+from engine.forward_batch import ForwardBatch, PrefillChunk
+from engine.model_runner import ModelRunner
 from engine.quant.module import quantized_weights
 from engine.sampling_params import SamplingParams
 from engine_helpers import ManualBatch, hf_model, make_runner, random_prompts
@@ -328,12 +329,13 @@ def test_chunked_prefill_picks_the_factors_of_the_whole_prompt(make_phi3) -> Non
     assert row is not None
     slots = runner.kv_pool.allocate(40)
     assert slots is not None
-    runner.extend([ExtendChunk(row, 0, prompt[:20], slots[:20], fill_len=40)])
-    logits = runner.extend([ExtendChunk(row, 20, prompt[20:], slots[20:], fill_len=40)])[0]
+    runner.forward(ForwardBatch.prefill([PrefillChunk(row, 0, prompt[:20], slots[:20], fill_len=40)]))
+    logits = runner.forward(ForwardBatch.prefill([PrefillChunk(row, 20, prompt[20:], slots[20:], fill_len=40)]))[0]
     torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-5)
     # Without the whole prompt's length the first chunk takes the short factors: a different model.
-    runner.extend([ExtendChunk(row, 0, prompt[:20], slots[:20])])
-    assert (runner.extend([ExtendChunk(row, 20, prompt[20:], slots[20:])])[0] - ref).abs().max() > 1e-2
+    runner.forward(ForwardBatch.prefill([PrefillChunk(row, 0, prompt[:20], slots[:20])]))
+    plain = runner.forward(ForwardBatch.prefill([PrefillChunk(row, 20, prompt[20:], slots[20:])]))[0]
+    assert (plain - ref).abs().max() > 1e-2
 
 
 def test_engine_with_chunked_prefill_matches_transformers_generate(make_phi3) -> None:

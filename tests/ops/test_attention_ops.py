@@ -56,7 +56,7 @@ def test_decode_attention_equals_dense_sdpa() -> None:
         torch.testing.assert_close(got[i], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_extend_attention_is_causal_over_prefix() -> None:
+def test_prefill_attention_is_causal_over_prefix() -> None:
     # A 6-token prompt prefilled as a 4-token chunk then a 2-token chunk equals one 6-token prefill.
     g = torch.Generator().manual_seed(1)
     heads, kvh, dim, n = 4, 2, 16, 6
@@ -69,7 +69,7 @@ def test_extend_attention_is_causal_over_prefix() -> None:
         kc, vc = torch.zeros(n + 1, kvh, dim), torch.zeros(n + 1, kvh, dim)
         outs = []
         for start, end in spans:
-            outs.append(torch.ops.ember.extend_attention(
+            outs.append(torch.ops.ember.prefill_attention(
                 q[start:end], k[start:end], v[start:end], kc, vc, torch.arange(start + 1, end + 1), table, rows,
                 torch.tensor([start]), torch.tensor([end - start]), 0.25))
         return torch.cat(outs)
@@ -78,7 +78,7 @@ def test_extend_attention_is_causal_over_prefix() -> None:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_extend_attention_of_whole_prompts_equals_causal_sdpa(dtype: torch.dtype, tol: float) -> None:
+def test_prefill_attention_of_whole_prompts_equals_causal_sdpa(dtype: torch.dtype, tol: float) -> None:
     # Two whole prompts in one chunk (the path that reads k/v directly, not through the pool), GQA 9 -> 3 heads.
     g = torch.Generator().manual_seed(2)
     heads, kvh, dim, lens = 9, 3, 64, [5, 7]
@@ -87,7 +87,7 @@ def test_extend_attention_of_whole_prompts_equals_causal_sdpa(dtype: torch.dtype
     kc, vc = torch.zeros(n + 1, kvh, dim, dtype=dtype), torch.zeros(n + 1, kvh, dim, dtype=dtype)
     table = torch.zeros(3, 16, dtype=torch.int32)
     table[1, :5], table[2, :7] = torch.arange(1, 6), torch.arange(6, 13)
-    out = torch.ops.ember.extend_attention(q, k, v, kc, vc, torch.arange(1, n + 1), table, torch.tensor([1, 2]),
+    out = torch.ops.ember.prefill_attention(q, k, v, kc, vc, torch.arange(1, n + 1), table, torch.tensor([1, 2]),
                                            torch.tensor([0, 0]), torch.tensor(lens), 0.125)
     assert torch.equal(kc[1:], k) and torch.equal(vc[1:], v)  # the pool got this chunk's K/V
     start = 0

@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine.config import EngineConfig
 from engine.loader import open_checkpoint
-from engine.model_runner import ExtendChunk, ModelRunner
+from engine.forward_batch import ForwardBatch, PrefillChunk
+from engine.model_runner import ModelRunner
 
 
 def make_runner(model_dir: Path, *, compile: bool, buckets: tuple[int, ...] = (1, 2, 4), max_running: int = 4,
@@ -39,8 +40,8 @@ class ManualBatch:
             slots = runner.kv_pool.allocate(len(p))
             assert row is not None and slots is not None
             self.rows.append(row)
-            chunks.append(ExtendChunk(row, 0, p, slots))
-        self.prefill_logits = runner.extend(chunks)
+            chunks.append(PrefillChunk(row, 0, p, slots))
+        self.prefill_logits = runner.forward(ForwardBatch.prefill(chunks))
         self.seqs = [p + [int(t)] for p, t in zip(prompts, self.prefill_logits.argmax(-1))]
         self.step_logits: list[torch.Tensor] = []
 
@@ -51,7 +52,7 @@ class ManualBatch:
             assert slots is not None
             positions = torch.tensor([len(s) - 1 for s in self.seqs], dtype=torch.int64)
             ids = torch.tensor([s[-1] for s in self.seqs], dtype=torch.int64)
-            logits = self.runner.decode(rows, positions, ids, slots)
+            logits = self.runner.forward(ForwardBatch.decode(ids, positions, rows, slots))
             self.step_logits.append(logits)
             self.seqs = [s + [int(t)] for s, t in zip(self.seqs, logits.argmax(-1))]
         return self.seqs
