@@ -14,6 +14,7 @@ from engine.core import EngineCore
 from engine.engine_thread import EngineThread
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineInfo, EngineStats
 
 
 class EngineDeadError(RuntimeError):
@@ -31,7 +32,8 @@ class _Fatal:
 
 class EngineClient:
     def __init__(self, config: EngineConfig, on_bucket: Callable[[int, float], None] | None = None) -> None:
-        self.config = config
+        # One resolved config (dtype auto made concrete), the engine's own: the server reads this very object.
+        config = self.config = config.resolved()
         self._queues: dict[str, asyncio.Queue[RequestOutput | _Fatal]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = EngineThread(config, self._deliver, self._fatal, on_bucket)
@@ -70,16 +72,43 @@ class EngineClient:
     def num_active(self) -> int:
         return len(self._queues)
 
+    @property
+    def info(self) -> EngineInfo:
+        """What the loaded engine is (fixed once ready)."""
+        info = self._thread.info
+        if info is None:
+            raise EngineDeadError("the engine is not ready")
+        return info
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's latest published snapshot (engine/stats.py): what the server reads about its state."""
+        stats = self._thread.stats
+        if stats is None:
+            raise EngineDeadError("the engine is not ready")
+        return stats
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise SamplingParamsError (GrammarError among them) if the engine would refuse this prompt."""
+        self.core.validate(prompt_ids, params)
+
+    def check_capacity(self, new_requests: int) -> None:
+        """Raise QueueFullError unless `new_requests` more fit beside those in flight (everything beyond the running
+        batch is queued). Counted on the event loop, so it is exact."""
+        if len(self._queues) + new_requests > self.config.max_running_requests + self.config.max_queued_requests:
+            raise QueueFullError(f"the queue is full ({self.config.max_queued_requests} waiting requests)")
+
     # ---- requests -------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                       validated: bool = False) -> AsyncGenerator[RequestOutput, None]:
+        """validated: the caller has run `validate` on these very arguments (the server's admission does)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine failed: {self.error}")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        reqs = self.core.make_requests(request_id, prompt_ids, params)  # validates; raises before queueing
-        # Counted here, on the event loop, so it is exact: everything beyond the running batch is queued.
-        if len(self._queues) >= self.config.max_running_requests + self.config.max_queued_requests:
-            raise QueueFullError(f"the queue is full ({self.config.max_queued_requests} waiting requests)")
+        # Raises before anything is queued.
+        reqs = self.core.make_requests(request_id, prompt_ids, params, validate=not validated)
+        self.check_capacity(1)
         q: asyncio.Queue[RequestOutput | _Fatal] = asyncio.Queue()
         self._queues[request_id] = q
         self._thread.submit(reqs)
@@ -101,7 +130,8 @@ class EngineClient:
         self._thread.abort(request_id)
 
     async def flush_cache(self) -> int:
-        """Evict every prefix-cache entry no running request uses (on the engine thread); returns slots freed."""
+        """Evict every prefix-cache entry no running request uses (on the engine thread); returns slots freed (the
+        stats published after it show what stays cached)."""
         return await asyncio.wrap_future(self._thread.call(lambda core: core.scheduler.flush_cache()))
 
     # ---- engine-thread side ---------------------------------------------------------------------------

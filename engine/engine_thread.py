@@ -2,6 +2,10 @@
 
 The thread blocks on the inbox when there is no work (no polling, no CPU burnt while idle). Outputs of a
 step are handed to `deliver` in one call, so an asyncio consumer is woken once per step, not per token.
+
+Only this thread touches the EngineCore's scheduler, KV manager and runner. Everyone else reads `info` (fixed once
+the model is loaded) and `stats`, a fresh immutable EngineStats published after every step and every batch of
+commands (and when a decode bucket finishes compiling), by swapping one reference (engine/stats.py).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.request import Request
+from engine.stats import EngineInfo, EngineStats
 
 log = logging.getLogger("ember.engine")
 
@@ -39,6 +44,11 @@ class _Stop:
 
 
 @dataclass(frozen=True)
+class _Refresh:
+    """Publish the stats again (a decode bucket became ready while the engine was idle)."""
+
+
+@dataclass(frozen=True)
 class _Call:
     """Run `fn(core)` between two steps (the only thread that may touch the scheduler) and resolve `future`."""
 
@@ -50,9 +60,11 @@ class EngineThread:
     def __init__(self, config: EngineConfig, deliver: Deliver, on_fatal: Callable[[BaseException], None],
                  on_bucket: Callable[[int, float], None] | None = None) -> None:
         self.config, self._deliver, self._on_fatal, self._on_bucket = config, deliver, on_fatal, on_bucket
-        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Stop | _Call] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Stop | _Call | _Refresh] = queue.SimpleQueue()
         self.ready = threading.Event()
         self.core: EngineCore | None = None
+        self.info: EngineInfo | None = None
+        self.stats: EngineStats | None = None
         self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
 
     def start(self) -> None:
@@ -82,26 +94,39 @@ class EngineThread:
 
     def _run(self) -> None:
         try:
-            self.core = EngineCore(self.config, self._on_bucket)
+            core = self.core = EngineCore(self.config, self._bucket_ready)
+            self.info = EngineInfo.of(core)
+            self.stats = EngineStats.of(core)
             self.ready.set()
             self._loop(self.core)
         except BaseException as exc:  # the engine is dead: every waiter must hear about it
             log.exception("engine thread failed")
             self._on_fatal(exc)
 
-    def _handle(self, core: EngineCore, cmd: _Submit | _Abort | _Stop | _Call) -> bool:
+    def _bucket_ready(self, bucket: int, seconds: float) -> None:
+        """From the compile thread (or this one, while loading): pass it on, and have the stats republished."""
+        if self._on_bucket is not None:
+            self._on_bucket(bucket, seconds)
+        self._inbox.put(_Refresh())
+
+    def _handle(self, core: EngineCore, cmd: _Submit | _Abort | _Stop | _Call | _Refresh) -> bool:
         if isinstance(cmd, _Stop):
             return False
-        if isinstance(cmd, _Submit):
+        if isinstance(cmd, _Refresh):
+            pass  # the loop publishes after every batch of commands
+        elif isinstance(cmd, _Submit):
             core.add(cmd.reqs)
         elif isinstance(cmd, _Call):
             try:
-                cmd.future.set_result(cmd.fn(core))
+                result = cmd.fn(core)
+                self._publish(core)
+                cmd.future.set_result(result)
             except Exception as exc:  # the caller hears about it; the engine keeps serving
                 cmd.future.set_exception(exc)
         else:
             outs = core.abort(cmd.request_id)
             if outs:
+                self._publish(core)
                 self._deliver(outs)
         return True
 
@@ -118,5 +143,12 @@ class EngineThread:
                     return
             if core.has_work():
                 outs = core.step()
+                self._publish(core)
                 if outs:
                     self._deliver(outs)
+            else:
+                self._publish(core)
+
+    def _publish(self, core: EngineCore) -> None:
+        # Before outputs are delivered: a client that has seen its output sees the stats of that step.
+        self.stats = EngineStats.of(core)

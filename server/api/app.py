@@ -54,11 +54,11 @@ async def _announce_ready(state: ServerState, on_exit: ExitHook) -> None:
         log.error("the engine failed to start: %s", state.engine.error)
         on_exit(1)
         return
-    core = state.core
+    info = state.engine.info
     host = "127.0.0.1" if state.settings.host in ("0.0.0.0", "::", "") else state.settings.host
     log.info("ready in %.1f s: serving %s at http://%s:%d/v1 (max context %d, KV pool %d tokens, max %d running "
              "requests)", time.monotonic() - started, state.model_name, host, state.settings.port,
-             core.max_context, core.runner.kv_pool.num_slots, state.engine.config.max_running_requests)
+             info.max_context, info.kv_slots, info.max_running_requests)
     # A dead engine thread cannot come back: exit non-zero so a supervisor (docker, systemd) restarts us.
     assert state.engine.failed is not None
     await state.engine.failed.wait()
@@ -73,7 +73,7 @@ def create_app(config: EngineConfig, settings: ServerSettings, on_exit: ExitHook
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with engine_lifetime(config) as engine:
-            state = ServerState(engine, settings, ServerMetrics(lambda: engine.core if engine.ready else None,
+            state = ServerState(engine, settings, ServerMetrics(lambda: (engine.info, engine.stats) if engine.ready else None,
                                                                 settings.metrics_compat))
             app.state.server = state
             ready_task = asyncio.create_task(_announce_ready(state, exit_hook))

@@ -40,15 +40,17 @@ def check_admission(state: ServerState, prompts: Sequence[list[int]], params: Sa
     if not state.engine.ready:
         raise unavailable("the engine is still loading", retry)
     for ids in prompts:
-        state.core.make_requests("admission-check", ids, params)  # validation only; nothing is queued
-    cfg = state.engine.config
-    if state.engine.num_active + len(prompts) > cfg.max_running_requests + cfg.max_queued_requests:
-        raise unavailable(f"the queue is full ({cfg.max_queued_requests} waiting requests); retry later", retry)
+        state.engine.validate(ids, params)
+    try:
+        state.engine.check_capacity(len(prompts))
+    except QueueFullError as exc:
+        raise unavailable(f"{exc}; retry later", retry) from None
 
 
 async def generate(state: ServerState, request_id: str, prompt_ids: list[int],
                    params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
-    """`engine.generate` plus in-flight tracking (for drain), metrics and one log line when it ends."""
+    """`engine.generate` plus in-flight tracking (for drain), metrics and one log line when it ends. The prompt
+    has passed `check_admission`, which validated it."""
     metrics = state.metrics
     state.begin(request_id, params.n)
     metrics.prompt_len.observe(len(prompt_ids))
@@ -59,7 +61,7 @@ async def generate(state: ServerState, request_id: str, prompt_ids: list[int],
     t0 = time.monotonic()
     first_at: float | None = None
     try:
-        async with aclosing(state.engine.generate(request_id, prompt_ids, params)) as outputs:
+        async with aclosing(state.engine.generate(request_id, prompt_ids, params, validated=True)) as outputs:
             async for out in outputs:
                 now = time.monotonic()
                 if out.token_ids:

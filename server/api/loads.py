@@ -12,8 +12,8 @@ with this module's answer when tried by hand (its /loads then showed our numbers
 - an empty `loads` list reads as "no data yet": we always report one rank (Ember has no data parallelism);
 - sections it asks for that we do not have (disagg, queues, memory) are simply absent, which it accepts.
 
-The numbers are the same ones /metrics exports (server/api/metrics.py), read at request time from the engine
-without touching its locks: `len()` of its queues, ints, and `list()` copies (one C call under the GIL).
+The numbers are the same ones /metrics exports (server/api/metrics.py), from the engine's latest published
+snapshot (engine/stats.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
-from engine.core import EngineCore
+from engine.stats import EngineInfo, EngineStats
 
 # SGLang's section names (its /v1/loads `include`); smg sends core,disagg,queues,memory. Ember reports `core`.
 SECTIONS = frozenset({"all", "core", "memory", "spec", "lora", "disagg", "queues"})
@@ -100,18 +100,14 @@ def include_is_valid(include: str | None) -> bool:
     return {s.strip() for s in (include or "").split(",") if s.strip()} <= SECTIONS
 
 
-def load_snapshot(core: EngineCore, max_running: int, meter: ThroughputMeter, version: str) -> WorkerLoads:
-    sched = core.scheduler
-    waiting, prefilling = list(sched.waiting), list(sched.prefilling)
-    running = len(sched.running) + len(prefilling)
-    kv_total = core.runner.kv_pool.num_slots
-    used = sched.kvm.held_slots()
-    to_prefill = sum(r.fill_len for r in waiting) + sum(max(r.fill_len - r.kv_len, 0) for r in prefilling)
+def load_snapshot(info: EngineInfo, stats: EngineStats, meter: ThroughputMeter, version: str) -> WorkerLoads:
+    running, waiting, kv_total, used = stats.running, stats.waiting, info.kv_slots, stats.kv_used_slots
+    max_running = info.max_running_requests
     rank = SchedulerLoad(
-        num_running_reqs=running, num_waiting_reqs=len(waiting), num_waiting_uncached_tokens=to_prefill,
-        num_total_reqs=running + len(waiting), num_used_tokens=used, max_total_num_tokens=kv_total,
+        num_running_reqs=running, num_waiting_reqs=waiting, num_waiting_uncached_tokens=stats.waiting_uncached_tokens,
+        num_total_reqs=running + waiting, num_used_tokens=used, max_total_num_tokens=kv_total,
         token_usage=round(used / max(kv_total, 1), 4),
-        gen_throughput=round(meter.rate(sched.stats.generation_tokens), 2),
-        cache_hit_rate=round(sched.kvm.stats.hit_rate, 4),
+        gen_throughput=round(meter.rate(stats.generation_tokens), 2),
+        cache_hit_rate=round(stats.prefix_hit_rate, 4),
         utilization=round(running / max(max_running, 1), 4), max_running_requests=max_running)
     return WorkerLoads(timestamp=datetime.now(UTC).isoformat(), version=version, loads=[rank])

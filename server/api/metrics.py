@@ -1,11 +1,9 @@
 """Prometheus metrics, prefix `ember:`, in a registry of our own (never the process-global default one).
 
-Two sources: gauges and engine counters are read from the engine at scrape time by `EngineCollector` (no
-bookkeeping can drift from the truth); latency histograms and per-request counters are fed by the server from
-the outputs it receives (`observe_output`, `observe_finished`).
-
-Reading the engine's counters from the event loop while the engine thread updates them is safe for what we
-read: `len()` of lists and deques, ints, and dicts whose keys are fixed at start-up.
+Two sources: gauges and engine counters come from the engine's latest published snapshot at scrape time
+(`EngineCollector` reads engine/stats.py's EngineInfo and EngineStats, never the scheduler itself, so no
+bookkeeping of ours can drift from the engine's); latency histograms and per-request counters are fed by the
+server from the outputs it receives (`observe_output`, `observe_finished`).
 
 `--metrics-compat vllm` adds three gauges under vLLM's names with the same values as Ember's own, for tools that
 know only those: the Gateway API Inference Extension's endpoint picker reads `vllm:num_requests_waiting`,
@@ -20,8 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.core import EngineCore
 from engine.outputs import RequestOutput
+from engine.stats import EngineInfo, EngineStats
+
+# The engine's facts and latest stats, or None before it is ready.
+EngineView = Callable[[], tuple[EngineInfo, EngineStats] | None]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -34,61 +35,60 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class EngineCollector(Collector):
     """Engine state at scrape time; yields nothing until the engine is ready."""
 
-    def __init__(self, core: Callable[[], EngineCore | None], compat: str | None = None) -> None:
-        self._core = core
+    def __init__(self, view: EngineView, compat: str | None = None) -> None:
+        self._view = view
         self._vllm = compat == "vllm"
 
     def describe(self) -> list[Metric]:
         return []  # registering must not trigger a collect before the engine exists
 
     def collect(self) -> Iterator[Metric]:
-        core = self._core()
-        if core is None:
+        view = self._view()
+        if view is None:
             return
-        sched, kv, graphs = core.scheduler, core.runner.kv_pool, core.runner.graphs
-        stats = sched.stats
-        running, waiting = len(sched.running) + len(sched.prefilling), len(sched.waiting)
+        info, stats = view
+        running, waiting = stats.running, stats.waiting
         yield _gauge("ember:num_requests_running", "Requests in the batch (prefilling or decoding).", running)
         yield _gauge("ember:num_requests_waiting", "Requests queued for admission.", waiting)
-        kvm = sched.kvm
-        used = kvm.held_slots()  # prefix-cache entries nobody holds are free space: evicted on demand
-        usage = used / max(kv.num_slots, 1)
+        used = stats.kv_used_slots  # prefix-cache entries nobody holds are free space: evicted on demand
+        usage = used / max(info.kv_slots, 1)
         yield _gauge("ember:kv_pool_usage_perc", "Fraction of KV pool slots held by admitted requests (0-1).", usage)
         if self._vllm:
             yield _gauge("vllm:num_requests_running", "ember:num_requests_running under vLLM's name.", running)
             yield _gauge("vllm:num_requests_waiting", "ember:num_requests_waiting under vLLM's name.", waiting)
             yield _gauge("vllm:kv_cache_usage_perc", "ember:kv_pool_usage_perc under vLLM's name (0-1).", usage)
         yield _gauge("ember:kv_pool_used_slots", "KV pool slots (tokens) held by admitted requests.", used)
-        yield _gauge("ember:kv_pool_total_slots", "KV pool size in slots (tokens).", kv.num_slots)
+        yield _gauge("ember:kv_pool_total_slots", "KV pool size in slots (tokens).", info.kv_slots)
         yield _gauge("ember:prefix_cache_slots", "KV slots holding prefix-cache entries (shared ones included).",
-                     kvm.cached_slots())
+                     stats.prefix_cache_slots)
         yield _counter("ember:prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the prefix cache.",
-                       kvm.stats.hit_tokens)
+                       stats.prefix_hit_tokens)
         yield _counter("ember:prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
-                       kvm.stats.queried_tokens)
+                       stats.prefix_queried_tokens)
         yield _counter("ember:prefix_cache_evicted_tokens", "Prefix-cache tokens evicted to make room.",
-                       kvm.stats.evicted_tokens)
+                       stats.prefix_evicted_tokens)
         yield _gauge("ember:prefix_cache_hit_rate", "prefix_cache_hit_tokens / prefix_cache_queried_tokens.",
-                     kvm.stats.hit_rate)
+                     stats.prefix_hit_rate)
         yield _counter("ember:prompt_tokens", "Prompt tokens prefilled (recomputation after retraction included).",
                        stats.prompt_tokens)
         yield _counter("ember:generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield _counter("ember:num_aborted_requests", "Sequences aborted (client gone, shutdown).", stats.aborted)
         yield _counter("ember:num_retractions", "Sequences retracted from the batch when the KV pool ran dry.",
                        stats.retractions)
-        yield _counter("ember:prefill_steps", "Prefill (extend) forwards.", stats.prefill_steps)
+        yield _counter("ember:prefill_steps", "Prefill forwards.", stats.prefill_steps)
         yield _counter("ember:grammar_mask_seconds", "Seconds spent computing and applying structured-output token "
-                       "masks.", core.results.mask_seconds)
-        yield _counter("ember:grammar_masked_rows", "Sampled rows that a grammar constrained.", core.results.masked_rows)
+                       "masks.", stats.grammar_mask_seconds)
+        yield _counter("ember:grammar_masked_rows", "Sampled rows that a grammar constrained.",
+                       stats.grammar_masked_rows)
         yield _gauge("ember:grammar_cache_entries", "Compiled grammars (schemas, regexes, tool formats) cached.",
-                     core.grammars.cached())
+                     stats.cached_grammars)
         steps = CounterMetricFamily("ember:decode_steps", "Decode steps run per batch-size bucket.", labels=["bucket"])
-        for bucket, n in sorted(dict(graphs.steps_per_bucket).items()):
+        for bucket, n in stats.steps_per_bucket:
             steps.add_metric([str(bucket)], n)
         yield steps
         compile_s = GaugeMetricFamily("ember:compile_seconds", "Seconds spent compiling (or warming) each decode "
                                       "bucket at start-up.", labels=["bucket"])
-        for bucket, secs in sorted(dict(graphs.compile_seconds).items()):
+        for bucket, secs in stats.compile_seconds:
             compile_s.add_metric([str(bucket)], secs)
         yield compile_s
 
@@ -102,9 +102,9 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class ServerMetrics:
-    def __init__(self, core: Callable[[], EngineCore | None], compat: str | None = None) -> None:
+    def __init__(self, view: EngineView, compat: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(core, compat))
+        self.registry.register(EngineCollector(view, compat))
         r = self.registry
         self.finished = Counter("ember:request_success", "Finished sequences by finish reason.", ["finish_reason"],
                                 registry=r)

@@ -5,7 +5,7 @@ treats as hints (`user`, `safety_identifier`, `prompt_cache_key`, `prompt_cache_
 `store: false`, `service_tier: auto|default`, `modalities: ["text"]`, ...) are accepted and ignored. Any other
 field nobody knows is ignored, as vLLM does: `check_request_fields` returns their names for one warning line.
 
-`RULES` is the one table of these fields (the README's tables are rendered from it by `markdown_table`). The
+`RULES` is the one table of these fields (docs/structured-outputs.md's tables are rendered from it by `markdown_table`, scripts/gen_field_tables.py). The
 request models keep undeclared fields in `model_extra` (`ConfigDict(extra="allow")`), which is where a rule
 looks, so a field someone implements (declares on the model) stops being refused by itself; a rule marked
 `implemented` refuses some values of a declared field (`response_format` of type `structural_tag`).
@@ -41,7 +41,7 @@ class FieldRule:
     endpoints: frozenset[Endpoint]
     source: str  # whose API defines the field: OpenAI, vLLM, SGLang
     neutral: Neutral
-    neutral_text: str  # the neutral values in words, for the README
+    neutral_text: str  # the neutral values in words, for the docs' table
     reason: str | None = None  # why any other value is refused; None: never refused (a hint)
     hint: str | None = None  # accepted and ignored (in its neutral values when `reason` is set too): why that's fine
     where: str = ""  # the nested model holding it: "" (the body), stream_options, structured_outputs, sampling_params
@@ -197,7 +197,7 @@ RULES: tuple[FieldRule, ...] = (
           reason="Ember's logprobs carry token ids (their text entry is null)"),
     _rule("return_hidden_states", GENERATE, "SGLang", _FALSE, "unset or false", reason="not implemented"),
     _rule("return_routed_experts", GENERATE, "SGLang", _FALSE, "unset or false",
-          reason="Ember serves dense models: there are no experts"),
+          reason="not implemented (the router's choices are not recorded)"),
     _rule("session_params", GENERATE, "SGLang", _UNSET, "unset",
           reason="Ember has no sessions (the prefix cache reuses earlier turns by their tokens)"),
     _rule("lora_path", GENERATE, "SGLang", _UNSET, "unset", reason="Ember serves no LoRA adapters"),
@@ -288,7 +288,7 @@ def _endpoints_text(endpoints: frozenset[Endpoint]) -> str:
 
 
 def markdown_table(kind: Literal["ignored", "rejected"]) -> str:
-    """The README's table of the fields accepted and ignored (`ignored`: field, endpoints, values, why ignoring
+    """The docs' table of the fields accepted and ignored (`ignored`: field, endpoints, values, why ignoring
     them is fine) or refused (`rejected`: field, endpoints, the values still accepted, why others are refused)."""
     if kind == "ignored":
         head = "| field | endpoints | accepted values | ignored because |"

@@ -140,14 +140,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
                                         body.add_generation_prompt)
     else:
         ids = await in_tokenizer_thread(state, encode, tok, body.prompt or "", body.add_special_tokens)
-    return TokenizeResponse(count=len(ids), max_model_len=state.core.max_context, tokens=ids)
+    return TokenizeResponse(count=len(ids), max_model_len=state.engine.info.max_context, tokens=ids)
 
 
 @router.post("/v1/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = get_state(request)
     check_model(state, body.model)
-    vocab = state.core.model_config.vocab_size
+    vocab = state.engine.info.model_config.vocab_size
     if any(t < 0 or t >= vocab for t in body.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
     text = await in_tokenizer_thread(state, state.core.tokenizer.decode, body.tokens)

@@ -51,7 +51,7 @@ async def health_generate(request: Request) -> Response:
     state = get_state(request)
     if state.draining:
         return error_response(503, "the server is shutting down", code="draining")
-    token = state.core.model_config.bos_token_id or 0
+    token = state.engine.info.model_config.bos_token_id or 0
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     async def one_token() -> None:
@@ -79,11 +79,9 @@ async def server_info(request: Request) -> dict[str, Any]:
     import torch
 
     from engine.ops import native  # loaded by the engine already; not at import (keeps `ember --help` light)
-    from engine.quant.module import quantized_formats
 
     state = get_state(request)
-    core, cfg, settings = state.core, state.engine.config, state.settings
-    graphs = core.runner.graphs
+    info, stats, cfg, settings = state.engine.info, state.engine.stats, state.engine.config, state.settings
     return {
         "model": state.model_name,
         "model_path": cfg.model,
@@ -93,35 +91,37 @@ async def server_info(request: Request) -> dict[str, Any]:
         # max_running_requests (below) feeds its capacity tracker (model_gateway/src/worker/capacity.rs). "model"
         # is its alias of `model_id`: there must be no "model_id" key beside it (serde: duplicate field).
         "served_model_name": state.model_name,
-        "context_length": core.max_context,
-        "max_total_tokens": core.runner.kv_pool.num_slots,
+        "context_length": info.max_context,
+        "max_total_tokens": info.kv_slots,
         "version": _version("ember"),
-        "architecture": core.model_config.architecture,
-        "dtype": core.runner.config.dtype,  # --dtype auto resolved for the checkpoint
-        "max_context_len": core.max_context,
-        "kv_pool_slots": core.runner.kv_pool.num_slots,
+        "architecture": info.model_config.architecture,
+        "dtype": cfg.dtype,  # --dtype auto resolved
+        "max_context_len": info.max_context,
+        "kv_pool_slots": info.kv_slots,
         "max_running_requests": cfg.max_running_requests,
         "max_queued_requests": cfg.max_queued_requests,
         "chunked_prefill_size": cfg.chunked_prefill_size,
         "prefix_cache": not cfg.disable_prefix_cache,
-        "decode_buckets": list(graphs.buckets),
-        "compiled": graphs.compiled,
+        "decode_buckets": list(info.decode_buckets),
+        "compiled": info.compiled,
         # Buckets ready to run now (with --compile-in-background the rest are still compiling, largest first).
-        "compiled_buckets": graphs.ready_buckets if graphs.compiled else [],
-        "compile_seconds": {str(b): round(s, 3) for b, s in dict(graphs.compile_seconds).items()},
+        "compiled_buckets": list(stats.ready_buckets),
+        "compile_seconds": {str(b): round(s, 3) for b, s in stats.compile_seconds},
+        # How each ready bucket got there: "loaded" (a saved step), "compiled" (in this process), "compile child"
+        "bucket_sources": {str(b): how for b, how in stats.bucket_sources},
         "isa": {"active": native.active_isa(), "supported": list(native.SUPPORTED_ISAS),
-                "packed_linear": core.runner.model.packed,
+                "packed_linear": info.packed_linear,
                 "linear_q": str(torch.ops.ember.linear_q_variant(native.active_isa())) if native.NATIVE_OPS else None,
                 "linear_gguf": (str(torch.ops.ember.linear_gguf_variant(native.active_isa())) if native.NATIVE_OPS
                                 else None)},
         # Bytes the weights hold in memory, beside the checkpoint's weight files on disk (a GGUF's header included).
-        "weights": {"resident_bytes": core.runner.weight_bytes, "file_bytes": core.runner.file_bytes},
+        "weights": {"resident_bytes": info.weight_bytes, "file_bytes": info.file_bytes},
         # --quantization, the weights' form (EngineConfig.weights_tag) and each quantized format's weight count
-        "quantization": {"mode": cfg.quantization, "weights": core.runner.weights_tag,
-                         "formats": quantized_formats(core.runner.model)},
+        "quantization": {"mode": cfg.quantization, "weights": info.weights_tag,
+                         "formats": dict(info.quantized_formats)},
         # The parser reads tool calls in this format; "auto" picks it from the chat template per request.
         "structured_outputs": {"backend": "llguidance", "tool_call_parser": settings.tool_call_parser or "auto",
-                               "cached_grammars": core.grammars.cached()},
+                               "cached_grammars": stats.cached_grammars},
         "max_n": settings.max_n,
         "max_request_bytes": settings.max_request_bytes,
         "auth": settings.api_key is not None,
@@ -139,13 +139,12 @@ async def loads(request: Request, include: str | None = None) -> WorkerLoads:
     if not include_is_valid(include):
         raise APIError(400, f"include must be a comma-separated list of {', '.join(sorted(SECTIONS))}",
                        param="include", code="invalid_value")
-    return load_snapshot(state.core, state.engine.config.max_running_requests, state.throughput,
-                         _version("ember") or "unknown")
+    return load_snapshot(state.engine.info, state.engine.stats, state.throughput, _version("ember") or "unknown")
 
 
 def _card(state: ServerState) -> ModelCard:
     return ModelCard(id=state.model_name, created=int(state.started_at), root=state.engine.config.model,
-                     max_model_len=state.core.max_context)
+                     max_model_len=state.engine.info.max_context)
 
 
 @router.get("/v1/models")
@@ -166,7 +165,7 @@ async def flush_cache(request: Request) -> dict[str, int]:
     """SGLang's admin route: drop the prefix cache. Entries that running requests use stay (they are in use)."""
     state = get_state(request)
     freed = await state.engine.flush_cache()
-    return {"flushed_slots": freed, "cached_slots": state.core.scheduler.kvm.cached_slots()}
+    return {"flushed_slots": freed, "cached_slots": state.engine.stats.prefix_cache_slots}
 
 
 @router.get("/metrics")

@@ -48,7 +48,7 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        return self.settings.served_model_name or self.core.model_config.name
+        return self.settings.served_model_name or self.engine.info.model_config.name
 
     # ---- in-flight bookkeeping (event loop only) --------------------------------------------------------
     def begin(self, request_id: str, sequences: int) -> None:

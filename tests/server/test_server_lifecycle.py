@@ -145,7 +145,8 @@ def test_compiled_server_matches_eager_and_drains_on_sigterm(tiny_model: Path, c
         long = {**short, "max_tokens": TINY_CONTEXT - 16}  # cannot finish within the grace period
         with hc.stream("POST", "/v1/completions", json=short) as a, \
                 hc.stream("POST", "/v1/completions", json=long) as b:
-            wait_until(srv, lambda m: m["ember:num_requests_waiting"] == 1, "the long request to queue")
+            wait_until(srv, lambda m: m["ember:num_requests_waiting"] == 1 and m["ember:num_requests_running"] == 1,
+                       "the long request to queue behind the short one")
             srv.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 10
             while httpx.get(srv.base_url + "/health").status_code != 503:
@@ -156,7 +157,6 @@ def test_compiled_server_matches_eager_and_drains_on_sigterm(tiny_model: Path, c
         assert reason_a == "length" and text_a
         assert reason_b == "abort" and events_b[-1] == "[DONE]"
         assert srv.proc.wait(30) == 0
-    assert "draining: 2 requests in flight" in srv.log()
 
 
 def test_serves_while_buckets_compile_in_background(tiny_model: Path, client: openai.OpenAI, tmp_path: Path) -> None:
@@ -177,15 +177,19 @@ def test_serves_while_buckets_compile_in_background(tiny_model: Path, client: op
             assert time.monotonic() < deadline, "the background compile never finished"
             time.sleep(0.5)  # bounded poll of another process's progress: no event crosses the process boundary
         assert greedy(openai_client(srv), "The capital of France is", max_tokens=40).choices[0].text == eager
+        info = hc.get("/get_server_info").json()
+        assert set(info["compile_seconds"]) == {"1", "2"}
+        assert set(info["bucket_sources"].values()) <= {"compile child", "compiled"}  # none fell back to eager
     assert srv.proc.returncode == 0
-    assert "compile in the background" in srv.log() and "all decode buckets ready" in srv.log()
 
 
 def test_sigterm_while_compiling_exits_0_at_once(tiny_model: Path, tmp_path: Path) -> None:
     """Without background compiling the server listens while the engine compiles (503 + Retry-After), and a
     SIGTERM then does not wait for the compile to finish."""
+    cache = tmp_path / "cache"
     srv = start_server(["--model", str(tiny_model), "--dtype", "float32", "--max-running-requests", "2",
-                        "--max-total-tokens", "4096", "--no-compile-in-background"], tmp_path / "loading.log")
+                        "--max-total-tokens", "4096", "--no-compile-in-background", "--compile-cache-dir", str(cache)],
+                       tmp_path / "loading.log")
     try:
         wait_for_health(srv, 503, timeout=60)
         resp = httpx.get(srv.base_url + "/v1/models")
@@ -195,7 +199,8 @@ def test_sigterm_while_compiling_exits_0_at_once(tiny_model: Path, tmp_path: Pat
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0
         assert time.monotonic() - t0 < 5.0
-        assert "decode bucket 1 [" not in srv.log()  # it really stopped mid-compile
+        # It really stopped mid-compile: buckets compile largest first, and the last one was never saved.
+        assert not list(cache.glob("decode-steps/*/bucket-1.bin"))
     finally:
         stop_server(srv)
 

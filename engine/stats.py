@@ -1,0 +1,94 @@
+"""What the server may know about the engine, without touching it: `EngineInfo` (fixed once the model is loaded) and
+`EngineStats` (an immutable snapshot the engine thread publishes after every step and command).
+
+Only the engine thread touches the scheduler, the KV manager and the runner (engine/engine_thread.py). /metrics,
+/v1/loads, /get_server_info and the benchmarks read these two objects instead: a reference swap publishes a new
+snapshot, so a reader sees one consistent step, never a queue being modified under it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.loader.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_config: ModelConfig
+    max_context: int
+    kv_slots: int
+    max_running_requests: int
+    decode_buckets: tuple[int, ...]
+    compiled: bool
+    packed_linear: bool
+    weights_tag: str
+    weight_bytes: int  # what the weights hold in memory
+    file_bytes: int  # the checkpoint's weight files on disk
+    quantized_formats: dict[str, int]  # quantized format -> weights in it
+
+    @classmethod
+    def of(cls, core: EngineCore) -> EngineInfo:
+        from engine.quant.module import quantized_formats
+
+        runner = core.runner
+        return cls(model_config=core.model_config, max_context=core.max_context,
+                   kv_slots=runner.kv_pool.num_slots, max_running_requests=core.config.max_running_requests,
+                   decode_buckets=tuple(runner.graphs.buckets), compiled=runner.graphs.compiled,
+                   packed_linear=bool(runner.model.packed), weights_tag=runner.weights_tag,
+                   weight_bytes=runner.weight_bytes, file_bytes=runner.file_bytes,
+                   quantized_formats=dict(quantized_formats(runner.model)))
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int  # sequences in the batch, prefilling or decoding
+    waiting: int  # sequences queued for admission
+    # prompt tokens still to prefill: waiting sequences in full, plus the rest of half-prefilled ones
+    waiting_uncached_tokens: int
+    kv_used_slots: int  # held by admitted requests (prefix-cache entries nobody holds are free: evicted on demand)
+    prefix_cache_slots: int
+    prefix_hit_tokens: int
+    prefix_queried_tokens: int
+    prefix_evicted_tokens: int
+    prompt_tokens: int
+    generation_tokens: int
+    aborted: int
+    retractions: int
+    prefill_steps: int
+    grammar_mask_seconds: float
+    grammar_masked_rows: int
+    cached_grammars: int
+    steps_per_bucket: tuple[tuple[int, int], ...]  # (bucket, decode steps run in it); bucket 0: eager
+    compile_seconds: tuple[tuple[int, float], ...]  # (bucket, seconds to make it ready)
+    # (bucket, how it became ready: "eager", "loaded" from a saved step, "compiled" here, or by the "compile child")
+    bucket_sources: tuple[tuple[int, str], ...]
+    ready_buckets: tuple[int, ...]
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    @classmethod
+    def of(cls, core: EngineCore) -> EngineStats:
+        """Read on the engine thread, between steps."""
+        sched, kvm, graphs, outputs = core.scheduler, core.kvm, core.runner.graphs, core.outputs
+        stats, cache = sched.stats, kvm.stats
+        to_prefill = (sum(r.fill_len for r in sched.waiting)
+                      + sum(max(r.fill_len - r.kv_len, 0) for r in sched.prefilling))
+        return cls(
+            running=len(sched.running) + len(sched.prefilling), waiting=len(sched.waiting),
+            waiting_uncached_tokens=to_prefill, kv_used_slots=kvm.held_slots(), prefix_cache_slots=kvm.cached_slots(),
+            prefix_hit_tokens=cache.hit_tokens, prefix_queried_tokens=cache.queried_tokens,
+            prefix_evicted_tokens=cache.evicted_tokens, prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens, aborted=stats.aborted, retractions=stats.retractions,
+            prefill_steps=stats.prefill_steps, grammar_mask_seconds=outputs.mask_seconds,
+            grammar_masked_rows=outputs.masked_rows, cached_grammars=core.grammars.cached(),
+            steps_per_bucket=tuple(sorted(dict(graphs.steps_per_bucket).items())),
+            compile_seconds=tuple(sorted(dict(graphs.compile_seconds).items())),
+            bucket_sources=tuple(sorted(dict(graphs.sources).items())),
+            ready_buckets=tuple(graphs.ready_buckets) if graphs.compiled else (),
+        )
