@@ -196,12 +196,29 @@ def test_a_conversation_with_a_tool_result_continues(client: openai.OpenAI, mode
     assert res.choices[0].message.content or res.choices[0].message.tool_calls
 
 
+# In bf16 the logits move with the batch a prompt is prefilled in (its rows take another kernel path), and SmolLM2's
+# logits (magnitude 16-32) are bf16 numbers 0.125 apart: a greedy token may flip where the top two are within two
+# such steps (docs/design.md §7). A leaked grammar mask would not stop at near-ties.
+BF16_NEAR_TIE = 0.25
+
+
+def _same_up_to_near_ties(got: list[str], want: list[tuple[str, float]]) -> bool:
+    """`got` equals `want`'s tokens, or first differs where want's top-two logprob gap is a near-tie."""
+    for i, (token, gap) in enumerate(want):
+        if i >= len(got) or got[i] != token:
+            return gap < BF16_NEAR_TIE
+    return len(got) == len(want)
+
+
 def test_mixed_batch_leaves_free_requests_unchanged(client: openai.OpenAI, model: str) -> None:
     free = [_ask("Write a haiku about the sea."), _ask("Name three fruits.")]
 
-    def plain(messages: list[dict[str, str]]) -> str:
-        return client.chat.completions.create(model=model, messages=messages, temperature=0,
-                                              max_tokens=40).choices[0].message.content
+    def plain(messages: list[dict[str, str]]) -> list[tuple[str, float]]:
+        """(token, its top-two logprob gap) of each greedy output token."""
+        res = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=40,
+                                             logprobs=True, top_logprobs=2)
+        tokens = res.choices[0].logprobs.content
+        return [(t.token, t.top_logprobs[0].logprob - t.top_logprobs[1].logprob) for t in tokens]
 
     def constrained(k: int) -> str:
         return client.chat.completions.parse(model=model, messages=_ask(f"Describe pet number {k} as JSON."),
@@ -212,7 +229,8 @@ def test_mixed_batch_leaves_free_requests_unchanged(client: openai.OpenAI, model
     with ThreadPoolExecutor(6) as pool:
         jobs = [pool.submit(constrained, k) for k in range(4)] + [pool.submit(plain, m) for m in free]
         results = [j.result() for j in jobs]
-    assert results[4:] == alone
+    for got, want in zip(results[4:], alone):
+        assert _same_up_to_near_ties([t for t, _ in got], want), (got, want)
     assert all(Pet.model_validate_json(r) for r in results[:4])
 
 
