@@ -4,7 +4,7 @@
 #   docker run -d --name ember -p 8000:8000 -v ember-cache:/var/cache/ember ember
 #
 # Arguments after the image name are `ember serve` flags (`docker run ember --dtype float32`), and every EMBER_*
-# variable works with `docker run -e`. README.md "Running in a container" has the details; build arguments:
+# variable works with `docker run -e`. docs/deployment.md has the details; build arguments:
 #   BASE_IMAGE       any Debian-based image with Python 3.11 (python3 and its venv module) and apt
 #   TORCH_INDEX_URL  where the CPU-only torch wheel comes from (below)
 #   PIP_INDEX_URL    the index for everything else (default: PyPI)

@@ -11,7 +11,7 @@ QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = the embedded SmolLM2-135M-Instruct
     # auto | bfloat16 | float32: activations, KV and dense weights. auto = bfloat16 (resolved): quantized linears
-    # take int8 activations anyway, and perplexity matched fp32's (README "Quantized weights"); float32 with
+    # take int8 activations anyway, and perplexity matched fp32's (docs/quantization.md); float32 with
     # --quantization none is the exact-parity path.
     dtype: str = "auto"
     # auto: a GGUF's own quantized formats, a HF folder dense; none: dense in `dtype`; int8 / int4: quantized at

@@ -45,7 +45,7 @@ PEERS = REPO.parent / "shared" / "peers"
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ember-peers"))
 # The -avx2 names run llama.cpp's AVX2-only build: the peer of Ember's AVX2 tier (`--ember-isa avx2`) on any CPU.
 # ember: the bf16 HF folder; ember-q41: the wheel's Q4_1 GGUF in its own formats (the default model, as served by
-# default); ember-q80 / llama-q80[-avx2]: the Q8_0 GGUF made by convert_hf_to_gguf.py --outtype q8_0 (README).
+# default); ember-q80 / llama-q80[-avx2]: the Q8_0 GGUF made by convert_hf_to_gguf.py --outtype q8_0 (docs/benchmarks.md).
 SERVERS = ("ember", "ember-q41", "ember-q80", "llama-bf16", "llama-q41", "llama-q80", "llama-bf16-avx2",
            "llama-q41-avx2", "llama-q80-avx2", "vllm", "ember-gguf", "llama-gguf", "llama-gguf-avx2")
 Q80 = PEERS_DIR / "smollm2" / "q8_0.gguf"
@@ -216,7 +216,7 @@ def parse_args() -> argparse.Namespace:
     for name, default in MULTI_TURN_DEFAULTS.items():  # passed through to `ember bench --workload multi-turn`
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help="multi-turn (default: %(default)s)")
     p.add_argument("--ember-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="Ember's --dtype (default: %(default)s, Ember's own default; issue 13's tables: bfloat16)")
+                   help="Ember's --dtype (default: %(default)s, Ember's own default)")
     p.add_argument("--gguf", type=Path, default=None,
                    help="the GGUF file ember-gguf and llama-gguf[-avx2] serve (e.g. a synthetic.sh model)")
     p.add_argument("--ember-args", default="", help="extra `ember serve` flags, space-separated")

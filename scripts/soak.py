@@ -1,4 +1,4 @@
-"""Bounded soak of Ember replicas behind the smg router, under faults (issue 17, item 4).
+"""Bounded soak of Ember replicas behind the smg router, under faults.
 
     .venv/bin/python scripts/soak.py                   # ~300 s, 3 replicas, 8 client threads
     .venv/bin/python scripts/soak.py --short --json s.json  # CI-sized: 45 s of load (~80 s in all), 6 clients

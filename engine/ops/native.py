@@ -1,6 +1,6 @@
 """Build (first time, ~1-2 min, cached under TORCH_EXTENSIONS_DIR) and load the engine's C++ CPU ops.
 
-One extension holds every kernel in csrc/ (layout: README "How it works"). It is built for generic x86-64: each
+One extension holds every kernel in csrc/ (layout: docs/architecture.md "Kernels"). It is built for generic x86-64: each
 ISA-specific file compiles its kernels under its own `#pragma GCC target`, and the ops dispatch at run time to the
 best tier the CPU supports (csrc/common/cpu_isa.cpp), so one build serves every CPU. `EMBER_ISA=avx2|avx512|
 avx512bf16|scalar` forces a lower tier (any machine can run and test the AVX2 path). EMBER_NATIVE_OPS=0 forces

@@ -44,7 +44,7 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], steps: int = 16) ->
 # random models the logits stayed within 0.3 % of their max for the 32-value types (cosine > 0.99999); the K-quants'
 # coarser blocks on random weights, whose outputs cancel (an output ~sqrt(K) x smaller than the sum the error
 # scales with), drift more: Q6_K up to ~15 % of the max logit within 16 steps. On a real model the same kernels
-# score SmolLM2's perplexity within 0.3 % of llama.cpp's (README "Quantized weights").
+# score SmolLM2's perplexity within 0.3 % of llama.cpp's (docs/quantization.md).
 def min_cosine(qtype: T) -> float:
     return 0.99 if qtype in K_TYPES else 0.9999
 
