@@ -20,6 +20,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extra: usage on every chunk (guidellm sends it)
 
 
 class JsonSchemaFormat(_Request):
@@ -144,6 +145,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool | None = None  # default true
+    # vLLM extras: variables for the chat template (e.g. Qwen3's enable_thinking), and whether the reasoning a
+    # reasoning parser reads out (server/api/reasoning.py) is returned
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
 
 # ---- responses ----------------------------------------------------------------------------------------------
@@ -216,6 +221,7 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with a reasoning parser: the <think> block's text
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -251,6 +257,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
