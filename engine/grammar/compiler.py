@@ -35,6 +35,17 @@ def lark_string(text: str) -> str:
     return json.dumps(text)
 
 
+def _prefixed(prefix: str, grammar: str) -> str:
+    """`grammar` (Lark text, or llguidance's JSON with its list of grammars) as the grammar named `answer` after
+    `prefix`, a Lark grammar that refers to it as `@answer` (llguidance's nested grammars)."""
+    if grammar.lstrip().startswith("{"):
+        inner = json.loads(grammar)["grammars"]
+    else:
+        inner = [{"lark_grammar": grammar}]
+    inner[0] = {**inner[0], "name": "answer"}
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": prefix}, *inner]})
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self._hf, self.vocab_size, self._eos = tokenizer, vocab_size, list(eos_token_ids)
@@ -75,6 +86,8 @@ class GrammarCompiler:
 
     def _build(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         grammar = self._grammar_text(spec)
+        if spec.prefix is not None:
+            grammar = _prefixed(spec.prefix, grammar)
         # The constructor never raises for grammar errors: it leaves the matcher in an error state.
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():

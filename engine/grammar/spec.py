@@ -24,6 +24,9 @@ class GrammarSpec:
     source: str  # JSON text for json_schema and choice; the pattern or grammar text otherwise
     strict: bool = True  # json_schema: unsupported keywords are an error (False: they are ignored)
     param: str = field(default="response_format", compare=False)  # the request field, for error messages
+    # A Lark grammar run before this one, which it names `@answer`: free reasoning up to `</think>` when a
+    # reasoning parser is active (server/api/reasoning.py), so the constraint applies to the answer only.
+    prefix: str | None = None
 
     @staticmethod
     def json_schema(schema: Any, strict: bool = True, param: str = "response_format") -> GrammarSpec:

@@ -23,8 +23,11 @@ from server.api.protocol import (
     CompletionChoice,
     CompletionChunk,
     FunctionCallDelta,
+    StreamOptions,
     ToolCallDelta,
+    UsageInfo,
 )
+from server.api.reasoning import ReasoningParser, Start
 from server.api.sse import DONE, ChunkFrame, error_event, event
 from server.api.tool_parsers import ToolParser, ToolStream
 
@@ -38,6 +41,15 @@ class StreamSpec:
     include_usage: bool
     logprobs: bool
     created: int = field(default_factory=lambda: int(time.time()))  # the same on every chunk of a stream
+    # stream_options.continuous_usage_stats (with include_usage, as vLLM has it): usage so far on every chunk
+    continuous_usage: bool = False
+
+
+def usage_options(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(include_usage, continuous usage): continuous_usage_stats counts only with include_usage, as in vLLM."""
+    if options is None:
+        return False, False
+    return options.include_usage, options.include_usage and options.continuous_usage_stats
 
 
 @dataclass
@@ -46,12 +58,17 @@ class _Tally:
 
     done_tokens: dict[int, int] = field(default_factory=dict)  # choice -> completion tokens when it finished
     cached: dict[int, int] = field(default_factory=dict)  # prompt -> its first choice's cached prompt tokens
+    so_far: dict[int, int] = field(default_factory=dict)  # choice -> completion tokens up to its latest output
 
     def add(self, index: int, prompt_idx: int, out: RequestOutput) -> None:
         if out.index == 0:
             self.cached[prompt_idx] = out.cached_tokens
+        self.so_far[index] = out.completion_tokens
         if out.finish_reason is not None:
             self.done_tokens[index] = out.completion_tokens
+
+    def current(self, spec: StreamSpec) -> UsageInfo:
+        return usage(spec.prompt_tokens, sum(self.so_far.values()), sum(self.cached.values()))
 
 
 async def _with_usage(spec: StreamSpec, body: AsyncGenerator[str, None], tally: _Tally,
@@ -77,19 +94,40 @@ class ToolStreaming:
     parallel: bool  # False: calls after the first are dropped (parallel_tool_calls false)
 
 
+@dataclass(frozen=True)
+class ReasoningStreaming:
+    """Reasoning read out of a chat stream (server/api/reasoning.py) before any tool parsing of the answer."""
+
+    start: Start  # where the output starts, from the rendered prompt
+    include: bool  # include_reasoning: False drops the reasoning deltas
+
+
 def chat_events(spec: StreamSpec, outputs: TaggedOutputs, strings: TokenStrings,
-                tools: ToolStreaming | None = None) -> AsyncGenerator[str, None]:
+                tools: ToolStreaming | None = None,
+                reasoning: ReasoningStreaming | None = None) -> AsyncGenerator[str, None]:
     tally = _Tally()
     streams: dict[int, ToolStream] = {}
     calls: dict[int, int] = {}  # choice -> tool calls sent
+    thinkers: dict[int, ReasoningParser] = {}
 
     def chunk(*choices: ChatStreamChoice) -> ChatCompletionChunk:
         # Every field passed explicitly: events are serialized with exclude_unset (see server/api/sse.py).
         c = ChatCompletionChunk(id=spec.request_id, object="chat.completion.chunk", created=spec.created,
                                 model=spec.model, choices=list(choices))
         if spec.include_usage:
-            c.usage = None  # OpenAI sends "usage": null on every chunk but the last when usage is asked for
+            # OpenAI sends "usage": null on every chunk but the last when usage is asked for
+            c.usage = tally.current(spec) if spec.continuous_usage else None
         return c
+
+    def split(index: int, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, answer) of new text of a choice."""
+        assert reasoning is not None
+        parser = thinkers.setdefault(index, ReasoningParser(reasoning.start))
+        r, a = parser.feed(text)
+        if final:
+            r2, a2 = parser.finish()
+            r, a = r + r2, a + a2
+        return r, a
 
     frame = ChunkFrame(spec.request_id, "chat.completion.chunk", spec.created, spec.model, spec.include_usage)
 
@@ -117,15 +155,21 @@ def chat_events(spec: StreamSpec, outputs: TaggedOutputs, strings: TokenStrings,
         async with aclosing(outputs) as outs:
             async for prompt_idx, out in outs:
                 tally.add(out.index, prompt_idx, out)
-                text, call_chunks = out.text, []
+                final = out.finish_reason is not None
+                text, call_chunks, thought = out.text, [], ""
+                if reasoning is not None:
+                    thought, text = split(out.index, text, final)
+                    if thought and reasoning.include:
+                        yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(reasoning_content=thought),
+                                                           logprobs=None, finish_reason=None)))
                 if tools is not None:
-                    text, call_chunks = tool_events(out.index, out.text, out.finish_reason is not None)
-                if not spec.logprobs:
+                    text, call_chunks = tool_events(out.index, text, final)
+                if not spec.logprobs and not spec.continuous_usage:
                     if text:
                         yield frame.chat_content(out.index, text)
                 else:
-                    lps = ChatLogprobs(content=chat_logprobs(strings, out.logprobs or ()))
-                    if text or lps.content:
+                    lps = ChatLogprobs(content=chat_logprobs(strings, out.logprobs or ())) if spec.logprobs else None
+                    if text or (lps is not None and lps.content):
                         yield event(chunk(ChatStreamChoice(index=out.index, delta=ChatDelta(content=text),
                                                            logprobs=lps, finish_reason=None)))
                 for c in call_chunks:
@@ -149,7 +193,7 @@ def completion_events(spec: StreamSpec, outputs: TaggedOutputs,
         c = CompletionChunk(id=spec.request_id, object="text_completion", created=spec.created, model=spec.model,
                             choices=list(choices))
         if spec.include_usage:
-            c.usage = None
+            c.usage = tally.current(spec) if spec.continuous_usage else None
         return c
 
     frame = ChunkFrame(spec.request_id, "text_completion", spec.created, spec.model, spec.include_usage)
@@ -164,8 +208,12 @@ def completion_events(spec: StreamSpec, outputs: TaggedOutputs,
                     text = prompt_text + text
                 started.add(index)
                 tally.add(index, prompt_idx, out)
-                if not spec.logprobs:
+                if not spec.logprobs and not spec.continuous_usage:
                     yield frame.completion(index, text, out.finish_reason, out.stop_reason)
+                    continue
+                if not spec.logprobs:
+                    yield event(chunk(CompletionChoice(index=index, text=text, logprobs=None,
+                                                       finish_reason=out.finish_reason, stop_reason=out.stop_reason)))
                     continue
                 if index not in builders:
                     builders[index] = CompletionLogprobsBuilder(strings)

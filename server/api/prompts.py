@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -39,16 +39,33 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     """`tools` (OpenAI function objects) go to the template's `tools` variable, for templates that render them."""
+    return render_chat_prompt(tokenizer, messages, add_generation_prompt, tools)[0]
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM refuses them too).
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "tokenize",
+                                     "chat_template", "return_dict", "continue_final_message", "documents"})
+
+
+def render_chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                       add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
+                       template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+    """(token ids, text) of the rendered prompt; `template_kwargs` (a request's chat_template_kwargs, e.g.
+    Qwen3's enable_thinking) become template variables. The text tells where a reasoning output starts."""
     if not tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    extra = dict(template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_ARGS & extra.keys())
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     try:
         wrapped = None if tools is None else [{"type": "function", "function": t} for t in tools]
-        text = tokenizer.apply_chat_template(messages, tools=wrapped, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+        text = str(tokenizer.apply_chat_template(messages, tools=wrapped, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False, **extra))
     except TemplateError as exc:  # e.g. "roles must alternate user/assistant"
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     # The template already holds any BOS token; adding special tokens again would double it.
-    return encode(tokenizer, str(text), add_special_tokens=False)
+    return encode(tokenizer, text, add_special_tokens=False), text
 
 
 def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -76,20 +93,34 @@ def _or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
+def sampling_defaults(state: ServerState) -> dict[str, float]:
+    """The values a request's unset temperature, top_p, top_k, min_p and repetition_penalty take: the model's
+    recommended ones (--generation-config auto), then the config file's [sampling] table over them. Fields
+    neither sets keep OpenAI's defaults (temperature 1, top_p 1, no top-k, min-p or penalty)."""
+    settings = state.settings
+    model: dict[str, float] = {}
+    if settings.generation_config == "auto" and state.engine.ready:
+        model = dict(state.engine.info.model_config.sampling_defaults)
+    return {**model, **dict(settings.sampling_overrides)}
+
+
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-                    max_n: int, grammar: GrammarSpec | None = None) -> SamplingParams:
-    """Raises APIError for n over the limit and SamplingParamsError (-> 400 with its param) for bad ranges."""
+                    max_n: int, grammar: GrammarSpec | None = None,
+                    defaults: Mapping[str, float] | None = None) -> SamplingParams:
+    """Raises APIError for n over the limit and SamplingParamsError (-> 400 with its param) for bad ranges.
+    `defaults` (see `sampling_defaults`) apply only to the fields the request left unset (or sent as null)."""
+    d = defaults or {}
     n = _or(req.n, 1)
     if n > max_n:
         raise APIError(400, f"n must be at most {max_n} (--max-n)", param="n")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=_or(req.top_k, -1),
-        min_p=_or(req.min_p, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        temperature=_or(req.temperature, d.get("temperature", 1.0)),
+        top_p=_or(req.top_p, d.get("top_p", 1.0)),
+        top_k=_or(req.top_k, int(d["top_k"]) if d.get("top_k", 0) > 0 else -1),  # HF and llama.cpp: 0 is off
+        min_p=_or(req.min_p, d.get("min_p", 0.0)),
+        repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
         presence_penalty=_or(req.presence_penalty, 0.0),
         logit_bias=_logit_bias(req.logit_bias),

@@ -13,8 +13,8 @@ from server.api.deps import check_model, get_state
 from server.api.errors import APIError
 from server.api.generation import check_admission, unless_disconnected
 from server.api.openai_format import TokenStrings, chat_logprobs, usage
-from server.api.openai_stream import StreamSpec, ToolStreaming, chat_events
-from server.api.prompts import in_tokenizer_thread, render_chat, sampling_params
+from server.api.openai_stream import ReasoningStreaming, StreamSpec, ToolStreaming, chat_events, usage_options
+from server.api.prompts import in_tokenizer_thread, render_chat_prompt, sampling_defaults, sampling_params
 from server.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -24,6 +24,7 @@ from server.api.protocol import (
     FunctionCallOut,
     ToolCallOut,
 )
+from server.api.reasoning import CLOSE, ReasoningParser, grammar_prefix, parser_for_template, prompt_start
 from server.api.request_fields import check_and_log_request_fields
 from server.api.routes_openai import collect, streams
 from server.api.sse import HEADERS, EventStreamResponse
@@ -41,6 +42,11 @@ async def _plan(state: ServerState, body: ChatCompletionRequest) -> ToolPlan:
     return await asyncio.get_running_loop().run_in_executor(state.grammar_pool, plan_tools, *args)
 
 
+def reasoning_parser_for(state: ServerState) -> str | None:
+    """The reasoning parser in force: --reasoning-parser, or the one the chat template calls for (None: none)."""
+    return parser_for_template(state.core.tokenizer.chat_template, state.settings.reasoning_parser)
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletionResponse:
     state = get_state(request)
@@ -49,15 +55,26 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     plan = await _plan(state, body)
+    tok = state.core.tokenizer
+    thinking = reasoning_parser_for(state)
+    if thinking is None and not body.include_reasoning:
+        raise APIError(400, "include_reasoning false needs a reasoning parser; this model has none "
+                       "(--reasoning-parser)", param="include_reasoning", code="unsupported_field")
+    prompt, prompt_text = await in_tokenizer_thread(state, render_chat_prompt, tok, plan.messages,
+                                                    body.add_generation_prompt, plan.template_tools,
+                                                    body.chat_template_kwargs)
+    start = prompt_start(prompt_text) if thinking is not None else None
     grammar = plan.grammar or request_grammar(body)
+    # The constraint applies to the answer, after the reasoning; one that spells out `</think>` itself
+    # constrains the reasoning too, and is applied as it is.
+    if grammar is not None and start is not None and CLOSE not in grammar.source:
+        grammar = replace(grammar, prefix=grammar_prefix(start))
+    # max_completion_tokens bounds reasoning and answer together: both are completion tokens.
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
-                             max_n=state.settings.max_n, grammar=grammar)
+                             max_n=state.settings.max_n, grammar=grammar, defaults=sampling_defaults(state))
     if plan.keep_special_tokens:
         params = replace(params, skip_special_tokens=False)
-    tok = state.core.tokenizer
-    prompt = await in_tokenizer_thread(state, render_chat, tok, plan.messages, body.add_generation_prompt,
-                                       plan.template_tools)
     await compile_grammar(state, grammar)
     check_admission(state, [prompt], params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -65,15 +82,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     outputs = streams(state, request_id, [prompt], params)
     parallel = body.parallel_tool_calls is not False
     if body.stream:
-        spec = StreamSpec(request_id, state.model_name, params.n, len(prompt),
-                          bool(body.stream_options and body.stream_options.include_usage), params.logprobs)
+        include_usage, continuous = usage_options(body.stream_options)
+        spec = StreamSpec(request_id, state.model_name, params.n, len(prompt), include_usage, params.logprobs,
+                          continuous_usage=continuous)
         tools = None if plan.parser is None else ToolStreaming(plan.parser, parallel)
-        return EventStreamResponse(chat_events(spec, outputs, strings, tools), headers=HEADERS)
+        thoughts = None if start is None else ReasoningStreaming(start, body.include_reasoning)
+        return EventStreamResponse(chat_events(spec, outputs, strings, tools, thoughts), headers=HEADERS)
     results = await unless_disconnected(request, collect(outputs, params.n, params.n))
     choices = []
     for i, r in enumerate(results):
-        content, calls = message_parts(plan.parser, r.text, parallel)
-        message = ChatMessageOut(content=content, tool_calls=[
+        thought, answer = (None, r.text) if start is None else ReasoningParser(start).split(r.text)
+        content, calls = message_parts(plan.parser, answer, parallel)  # tool calls are read from the answer only
+        message = ChatMessageOut(content=content, reasoning_content=(thought or None) if body.include_reasoning
+                                 else None, tool_calls=[
             ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls])
         choices.append(ChatChoice(
             index=i, message=message,

@@ -12,8 +12,8 @@ from server.api.deps import check_model, get_state
 from server.api.errors import APIError
 from server.api.generation import TaggedOutputs, check_admission, generate, merge, unless_disconnected
 from server.api.openai_format import ChoiceResult, CompletionLogprobsBuilder, TokenStrings, usage
-from server.api.openai_stream import StreamSpec, completion_events
-from server.api.prompts import encode, in_tokenizer_thread, sampling_params, split_prompts
+from server.api.openai_stream import StreamSpec, completion_events, usage_options
+from server.api.prompts import encode, in_tokenizer_thread, sampling_defaults, sampling_params, split_prompts
 from server.api.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -49,7 +49,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_model(state, body.model)
     grammar = request_grammar(body)
     params = sampling_params(body, body.max_tokens, logprobs=body.logprobs is not None,
-                             top_logprobs=body.logprobs or 0, max_n=state.settings.max_n, grammar=grammar)
+                             top_logprobs=body.logprobs or 0, max_n=state.settings.max_n, grammar=grammar,
+                             defaults=sampling_defaults(state))
     raw = split_prompts(body.prompt)
     if params.n * len(raw) > state.settings.max_n:
         raise APIError(400, f"n times the number of prompts must be at most {state.settings.max_n} (--max-n)",
@@ -65,8 +66,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         echo = [(p if isinstance(p, str) else str(tok.decode(ids)), ids) for p, ids in zip(raw, prompts, strict=True)]
     outputs = streams(state, request_id, prompts, params)
     if body.stream:
-        spec = StreamSpec(request_id, state.model_name, params.n, sum(map(len, prompts)),
-                          bool(body.stream_options and body.stream_options.include_usage), params.logprobs)
+        include_usage, continuous = usage_options(body.stream_options)
+        spec = StreamSpec(request_id, state.model_name, params.n, sum(map(len, prompts)), include_usage,
+                          params.logprobs, continuous_usage=continuous)
         return EventStreamResponse(completion_events(spec, outputs, strings, echo), headers=HEADERS)
     results = await unless_disconnected(request, collect(outputs, params.n, params.n * len(prompts)))
     choices = []

@@ -95,10 +95,14 @@ def tiny_config(arch: str, tok: PreTrainedTokenizerFast, **overrides: Any) -> Pr
 
 
 def write_tiny_model(
-    folder: Path, arch: str, *, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+    folder: Path, arch: str, *, seed: int = 0, max_shard_size: str | None = None, chat_template: str | None = None,
+    generation: dict[str, Any] | None = None, **overrides: Any
 ) -> Path:
-    """Save a random fp32 model, its tokenizer and generation config into `folder` (safetensors)."""
+    """Save a random fp32 model, its tokenizer and generation config into `folder` (safetensors).
+    `chat_template` replaces the ChatML one; `generation` adds keys to generation_config.json (temperature, ...)."""
     tok = tiny_tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
     cfg = tiny_config(arch, tok, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -114,5 +118,6 @@ def write_tiny_model(
     folder.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(folder)
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id).save_pretrained(folder)
+    GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                     **(generation or {})).save_pretrained(folder)
     return folder

@@ -1,0 +1,161 @@
+"""Reasoning in chat (server/api/reasoning.py) on real servers: tiny random models with a DeepSeek-R1-distill
+style template (the generation prompt opens the think block) and a Qwen3 style one (the output opens it;
+`enable_thinking: false` renders a closed empty block). A random model writes the think block only when forced,
+so the outputs go through a guided_regex that spells out `</think>` (such a constraint is applied as written)."""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from server_harness import TINY_CONTEXT, Server, http_client, openai_client, tiny_server
+
+# From the R1 distills' published template: the generation prompt ends with <｜Assistant｜><think>\n.
+R1_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1]"
+    " + '<｜end▁of▁sentence｜>' }}{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+)
+# From Qwen3's: ChatML, and with enable_thinking false an empty think block after the assistant header.
+QWEN3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _server(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory, template: str) -> Iterator[Server]:
+    model = make_tiny_model("llama", max_position_embeddings=TINY_CONTEXT, chat_template=template)
+    with tiny_server(model, tmp_path_factory.mktemp("logs") / "server.log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def r1(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _server(make_tiny_model, tmp_path_factory, R1_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def qwen3(make_tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _server(make_tiny_model, tmp_path_factory, QWEN3_TEMPLATE)
+
+
+def _stream(client: openai.OpenAI, **kwargs: Any) -> tuple[str, str, list[str]]:
+    """(reasoning, content, every delta's kind in order) of a streamed chat completion."""
+    reasoning, content, kinds = "", "", []
+    for chunk in client.chat.completions.create(model="tiny-llama", messages=ASK, stream=True, **kwargs):
+        for choice in chunk.choices:
+            r = getattr(choice.delta, "reasoning_content", None)
+            if r:
+                reasoning += r
+                kinds.append("reasoning")
+            if choice.delta.content:
+                content += choice.delta.content
+                kinds.append("content")
+    return reasoning, content, kinds
+
+
+R1_REGEX = r"step [a-z]{2}\n[a-z]{3}</think>\n\nParis"  # the prompt opened the block: no opening tag
+
+
+def test_r1_reasoning_split_streamed_and_not(r1: Server) -> None:
+    client = openai_client(r1)
+    extra = {"guided_regex": R1_REGEX}
+    out = client.chat.completions.create(model="tiny-llama", messages=ASK, temperature=0, max_tokens=64,
+                                         extra_body=extra)
+    message = out.choices[0].message
+    reasoning = message.reasoning_content  # type: ignore[attr-defined]
+    assert re.fullmatch(r"step [a-z]{2}\n[a-z]{3}", reasoning), reasoning
+    assert message.content == "Paris"
+    assert out.usage is not None and out.usage.completion_tokens > 3  # reasoning and answer both counted
+    streamed, content, kinds = _stream(client, temperature=0, max_tokens=64, extra_body=extra)
+    assert (streamed, content) == (reasoning, "Paris")
+    assert kinds.index("content") > len(kinds) - 1 - kinds[::-1].index("reasoning")  # all reasoning comes first
+
+
+def test_include_reasoning_false_drops_it(r1: Server) -> None:
+    client = openai_client(r1)
+    extra = {"guided_regex": R1_REGEX, "include_reasoning": False}
+    out = client.chat.completions.create(model="tiny-llama", messages=ASK, temperature=0, max_tokens=64,
+                                         extra_body=extra)
+    assert out.choices[0].message.content == "Paris"
+    assert getattr(out.choices[0].message, "reasoning_content", None) is None
+    assert _stream(client, temperature=0, max_tokens=64, extra_body=extra)[:2] == ("", "Paris")
+
+
+def test_cut_off_inside_reasoning_has_no_answer(r1: Server) -> None:
+    out = openai_client(r1).chat.completions.create(model="tiny-llama", messages=ASK, max_tokens=3,
+                                                    extra_body={"guided_regex": R1_REGEX})
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].message.content in (None, "")
+    assert out.choices[0].message.reasoning_content  # type: ignore[attr-defined]
+
+
+def test_structured_output_constrains_the_answer_only(r1: Server) -> None:
+    """A JSON schema with a reasoning parser: the output may reason freely first, so it is not JSON from its first
+    token; whatever answer comes after </think> is the JSON."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with http_client(r1) as http:
+        resp = http.post("/v1/chat/completions", json={
+            "model": "tiny-llama", "messages": ASK, "max_tokens": 48, "seed": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+        assert resp.status_code == 200, resp.text
+        message = resp.json()["choices"][0]["message"]
+        assert message["reasoning_content"]  # free text, not held to the schema
+        if message["content"]:
+            assert isinstance(json.loads(message["content"])["a"], int)
+
+
+def test_server_info_names_the_parser(r1: Server) -> None:
+    with http_client(r1) as http:
+        assert http.get("/get_server_info").json()["reasoning_parser"] == "deepseek_r1"
+
+
+QWEN3_REGEX = r"<think>\n[a-z]{3}\n</think>\n\nParis"
+
+
+def test_qwen3_output_opens_the_block(qwen3: Server) -> None:
+    out = openai_client(qwen3).chat.completions.create(model="tiny-llama", messages=ASK, temperature=0,
+                                                       max_tokens=64, extra_body={"guided_regex": QWEN3_REGEX})
+    message = out.choices[0].message
+    assert re.fullmatch(r"\n[a-z]{3}\n", message.reasoning_content)  # type: ignore[attr-defined]
+    assert message.content == "Paris"
+    assert _stream(openai_client(qwen3), temperature=0, max_tokens=64,
+                   extra_body={"guided_regex": QWEN3_REGEX})[:2] == (message.reasoning_content, "Paris")  # type: ignore[attr-defined]
+
+
+def test_enable_thinking_false_reaches_the_template(qwen3: Server) -> None:
+    """chat_template_kwargs renders the closed empty block, so the output is all answer: even a <think> in it."""
+    out = openai_client(qwen3).chat.completions.create(
+        model="tiny-llama", messages=ASK, temperature=0, max_tokens=64,
+        extra_body={"guided_regex": QWEN3_REGEX, "chat_template_kwargs": {"enable_thinking": False}})
+    message = out.choices[0].message
+    assert getattr(message, "reasoning_content", None) is None
+    assert message.content is not None and message.content.startswith("<think>")
+    assert out.usage is not None
+    on = openai_client(qwen3).chat.completions.create(model="tiny-llama", messages=ASK, max_tokens=1)
+    assert out.usage.prompt_tokens > on.usage.prompt_tokens  # type: ignore[union-attr]  # the block is in the prompt
+
+
+def test_bad_template_kwargs_are_a_400(qwen3: Server) -> None:
+    with http_client(qwen3) as http:
+        resp = http.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": ASK, "max_tokens": 1,
+                                                       "chat_template_kwargs": {"tokenize": True}})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_include_reasoning_false_without_a_parser_is_a_400(server: Server, http: httpx.Client) -> None:
+    resp = http.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": ASK, "max_tokens": 1,
+                                                   "include_reasoning": False})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "include_reasoning"
+    assert http.get("/get_server_info").json()["reasoning_parser"] == "none"
