@@ -98,7 +98,18 @@ def read_gguf_config(path: Path, reader: GGUFReader) -> ModelConfig:
         eos += phi3_end_of_turn_ids(reader)
     mc = model_config_from_hf(cfg, name=path.stem, extra_eos_token_ids=[int(e) for e in eos if e is not None])
     quantized = any(len(t.shape) > 1 and t.tensor_type in NATIVE_GGUF_TYPES for t in reader.tensors)
-    return dataclasses.replace(mc, quantized=quantized)
+    return dataclasses.replace(mc, quantized=quantized, sampling_defaults=gguf_sampling_defaults(reader))
+
+
+# llama.cpp's recommended-sampling keys (gguf-py's Keys.General.SAMPLING_*) -> SamplingParams field names
+_GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                  "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                  "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def gguf_sampling_defaults(reader: GGUFReader) -> tuple[tuple[str, float], ...]:
+    return tuple((name, float(v)) for key, name in _GGUF_SAMPLING.items()
+                 if isinstance(v := _metadata(reader, key), int | float))
 
 
 def gguf_chat_template(path: Path) -> str | None:

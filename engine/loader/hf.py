@@ -1,6 +1,7 @@
 """Load a HuggingFace model folder: config.json, generation_config.json and safetensors weights (single or sharded)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,25 @@ INDEX_FILE = "model.safetensors.index.json"
 def read_hf_config(folder: Path) -> ModelConfig:
     """The folder's ModelConfig; eos ids merge config.json's and generation_config.json's."""
     cfg = _su_rope_config(folder) or AutoConfig.from_pretrained(folder)
-    return model_config_from_hf(cfg, name=folder.name, extra_eos_token_ids=_generation_eos_ids(folder))
+    mc = model_config_from_hf(cfg, name=folder.name, extra_eos_token_ids=_generation_eos_ids(folder))
+    return dataclasses.replace(mc, sampling_defaults=generation_sampling_defaults(folder))
+
+
+# generation_config.json's sampling keys, as SamplingParams names them (vLLM's --generation-config auto reads these).
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_sampling_defaults(folder: Path) -> tuple[tuple[str, float], ...]:
+    """The sampling values generation_config.json sets (absent keys: none). A file that says do_sample false
+    means greedy, whatever temperature it also carries (transformers ignores it then)."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return ()
+    raw = json.loads(path.read_text())
+    out = [(k, float(raw[k])) for k in _GENERATION_KEYS if isinstance(raw.get(k), int | float)]
+    if raw.get("do_sample") is False and out:
+        out = [(k, v) for k, v in out if k != "temperature"] + [("temperature", 0.0)]
+    return tuple(out)
 
 
 def _su_rope_config(folder: Path) -> PretrainedConfig | None:

@@ -73,6 +73,9 @@ class ModelConfig:
     # The checkpoint stores weights in quantized types Ember serves as they are (a Q4_K_M GGUF; not a bf16 GGUF
     # or a HF folder): --quantization auto keeps them, and --dtype auto then runs float32 activations.
     quantized: bool = False
+    # The model's recommended sampling values (generation_config.json, a GGUF's general.sampling.* keys), by
+    # SamplingParams field name: what a request that leaves the field unset gets (server/api/prompts.py).
+    sampling_defaults: tuple[tuple[str, float], ...] = field(default=(), compare=False)
 
     @property
     def q_size(self) -> int:

@@ -20,6 +20,12 @@ class ServerSettings:
     tool_call_parser: str | None = None  # None: chosen from the chat template (server/api/tool_parsers.py)
     # "vllm": /metrics also exports vLLM's names for the gauges load-aware routers read (server/api/metrics.py)
     metrics_compat: str | None = None
+    reasoning_parser: str | None = None  # None: chosen from the chat template (server/api/reasoning.py)
+    # "auto": a request's unset sampling fields take the model's recommended values (generation_config.json, GGUF
+    # general.sampling.*), then `sampling_overrides` (the config file's [sampling] table) over those; "none":
+    # OpenAI's defaults (temperature 1, no top-p/top-k/min-p), the overrides still applying.
+    generation_config: str = "auto"
+    sampling_overrides: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
@@ -30,5 +36,7 @@ class ServerSettings:
             raise ValueError("shutdown_grace_seconds must be non-negative")
         if self.metrics_compat not in (None, "vllm"):
             raise ValueError("metrics_compat must be None or 'vllm'")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError("generation_config must be 'auto' or 'none'")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

@@ -11,6 +11,7 @@ The environment variable of a setting is always `EMBER_` + its dest in upper cas
 from __future__ import annotations
 
 import argparse
+import json
 import tomllib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -59,6 +60,9 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     out: dict[str, Any] = {}
     for key, value in raw.items():
+        if key == "sampling" and isinstance(value, dict):  # the model's sampling defaults, overridden
+            out["override_generation_config"] = json.dumps(value)
+            continue
         if isinstance(value, dict):
             raise ConfigError(f"config file {path}: [{key}] tables are not supported; write settings as top-level keys")
         out[key.replace("-", "_")] = value

@@ -8,6 +8,7 @@ they are aborted with finish reason `abort`), and the process exits 0. A second 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -51,6 +52,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="the format tool calls are read in (and forced in, for tool_choice required): auto picks it "
                         "from the chat template, hermes when the template has no tool support "
                         "(default: %(default)s)")
+    g.add_argument("--reasoning-parser", default=env("EMBER_REASONING_PARSER", "auto"),
+                   choices=["auto", "deepseek_r1", "qwen3", "none"],
+                   help="read <think>...</think> reasoning out of chat outputs into reasoning_content: auto does it "
+                        "for chat templates that mention <think>; none leaves any reasoning in the content "
+                        "(default: %(default)s)")
+    g.add_argument("--generation-config", default=env("EMBER_GENERATION_CONFIG", "auto"), choices=["auto", "none"],
+                   help="auto: sampling fields a request leaves unset take the model's recommended values "
+                        "(generation_config.json, a GGUF's general.sampling.* keys); none: OpenAI's defaults "
+                        "(temperature 1) (default: %(default)s)")
+    g.add_argument("--override-generation-config", default=env("EMBER_OVERRIDE_GENERATION_CONFIG", ""),
+                   help='JSON object of sampling defaults over the model\'s, e.g. \'{"temperature": 0.2}\' '
+                        "(a config file's [sampling] table sets it)")
     g.add_argument("--metrics-compat", default=env("EMBER_METRICS_COMPAT", "none"), choices=["none", "vllm"],
                    help="vllm: /metrics also exports vllm:num_requests_running, vllm:num_requests_waiting and "
                         "vllm:kv_cache_usage_perc (the same values as Ember's gauges), for routers that only know "
@@ -66,7 +79,30 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           max_n=args.max_n, shutdown_grace_seconds=args.shutdown_grace_seconds,
                           log_level=args.log_level,
                           tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
-                          metrics_compat=None if args.metrics_compat == "none" else args.metrics_compat)
+                          metrics_compat=None if args.metrics_compat == "none" else args.metrics_compat,
+                          reasoning_parser=None if args.reasoning_parser == "auto" else args.reasoning_parser,
+                          generation_config=args.generation_config,
+                          sampling_overrides=sampling_overrides(args.override_generation_config))
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_overrides(text: str) -> tuple[tuple[str, float], ...]:
+    """--override-generation-config's JSON object, checked: only sampling fields, numbers only."""
+    if not text.strip():
+        return ()
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise SystemExit(f"--override-generation-config is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SystemExit("--override-generation-config must be a JSON object")
+    bad = [k for k, v in raw.items() if k not in SAMPLING_FIELDS or isinstance(v, bool) or not isinstance(v, int | float)]
+    if bad:
+        raise SystemExit(f"--override-generation-config: {', '.join(bad)}: expected numbers for "
+                         f"{', '.join(SAMPLING_FIELDS)}")
+    return tuple((k, float(v)) for k, v in raw.items())
 
 
 def run_serve(args: argparse.Namespace) -> int:
