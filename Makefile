@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/ember serve
+	$(BIN)/ember serve --config configs/smollm2.toml
 
 # Everything, as CI runs it (.ci/run).
 test: $(STAMP)

@@ -93,6 +93,10 @@ def _or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
+# What a field neither the request, the model nor the config file sets takes: OpenAI's defaults (top_k -1: off).
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def sampling_defaults(state: ServerState) -> dict[str, float]:
     """The values a request's unset temperature, top_p, top_k, min_p and repetition_penalty take: the model's
     recommended ones (--generation-config auto), then the config file's [sampling] table over them. Fields

@@ -26,7 +26,7 @@ from server.api.deps import get_state
 from server.api.errors import APIError, error_response
 from server.api.loads import SECTIONS, WorkerLoads, include_is_valid, load_snapshot
 from server.api.metrics import CONTENT_TYPE
-from server.api.prompts import sampling_defaults
+from server.api.prompts import OPENAI_SAMPLING, sampling_defaults
 from server.api.protocol import ModelCard, ModelList
 from server.api.routes_chat import reasoning_parser_for
 from server.api.state import ServerState
@@ -127,7 +127,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         # The <think> parser of chat outputs ("none": reasoning stays in the content), and the values a request's
         # unset sampling fields take (--generation-config, the config file's [sampling] table)
         "reasoning_parser": reasoning_parser_for(state) or "none",
-        "sampling_defaults": sampling_defaults(state),
+        "sampling_defaults": {**OPENAI_SAMPLING, **sampling_defaults(state)},
         "max_n": settings.max_n,
         "max_request_bytes": settings.max_request_bytes,
         "auth": settings.api_key is not None,

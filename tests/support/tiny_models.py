@@ -5,6 +5,7 @@ are random, so the text is gibberish, but every loader, tokenizer and chat-templ
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,8 @@ def write_tiny_model(
     folder.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(folder)
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                     **(generation or {})).save_pretrained(folder)
+    GenerationConfig(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id).save_pretrained(folder)
+    if generation:  # written as given: GenerationConfig would validate (and reject) e.g. temperature 0
+        path = folder / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **generation}, indent=2))
     return folder
