@@ -193,3 +193,24 @@ def test_compile_cache_defaults_under_xdg_cache_home(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cli._default_cache_dir() == str(tmp_path / "ember")
+
+
+def test_sampling_table_sets_the_sampling_defaults(tmp_path: Path) -> None:
+    from server.cli.serve import settings_from_args
+
+    cfg = write_config(tmp_path, 'dtype = "float32"\n[sampling]\ntemperature = 0.2\ntop_p = 0.9\n')
+    args, _ = resolve_args(["serve", "--config", cfg])
+    assert settings_from_args(args).sampling_overrides == (("temperature", 0.2), ("top_p", 0.9))
+    args, _ = resolve_args(["serve", "--config", cfg, "--override-generation-config", '{"top_k": 20}'])
+    assert settings_from_args(args).sampling_overrides == (("top_k", 20.0),)  # the flag wins over the table
+    bad = write_config(tmp_path, "[sampling]\ntemprature = 0.2\n")
+    args, _ = resolve_args(["serve", "--config", bad])
+    with pytest.raises(SystemExit, match="temprature"):
+        settings_from_args(args)
+
+
+def test_shipped_smollm2_config_has_the_model_card_sampling() -> None:
+    from server.cli.serve import settings_from_args
+
+    args, _ = resolve_args(["serve", "--config", str(CONFIGS / "smollm2.toml")])
+    assert dict(settings_from_args(args).sampling_overrides) == {"temperature": 0.2, "top_p": 0.9}
