@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.engine_thread import EngineThread
 from engine.outputs import RequestOutput
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineInfo, EngineStats
 
@@ -108,6 +109,25 @@ class EngineClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         # Raises before anything is queued.
         reqs = self.core.make_requests(request_id, prompt_ids, params, validate=not validated)
+        async for out in self._run(request_id, reqs):
+            yield out
+
+    async def embed(self, request_id: str, prompt_ids: list[int]) -> RequestOutput:
+        """The prompt's pooled, normalised final hidden state (`.embedding`), computed as prefill-only work that
+        shares the engine's steps with decoding requests. Raises SamplingParamsError for a bad or too long input."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed: {self.error}")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        req = self.core.make_embedding_request(request_id, prompt_ids, self.info.pooling)
+        final: RequestOutput | None = None
+        async for out in self._run(request_id, [req]):
+            final = out
+        assert final is not None and final.embedding is not None
+        return final
+
+    async def _run(self, request_id: str, reqs: list[Request]) -> AsyncGenerator[RequestOutput, None]:
+        """Queue the sequences of one request and yield their outputs until every one has finished."""
         self.check_capacity(1)
         q: asyncio.Queue[RequestOutput | _Fatal] = asyncio.Queue()
         self._queues[request_id] = q

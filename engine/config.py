@@ -32,6 +32,10 @@ class EngineConfig:
     max_queued_requests: int = 1024
     num_threads: int | None = None  # torch threads; None = all cores
     seed: int = 0
+    # /v1/embeddings: how a prompt's final hidden states are pooled. auto: what the model folder says
+    # (sentence-transformers' 1_Pooling/config.json: last token for decoder embedding models such as
+    # Qwen3-Embedding), else mean (engine/loader/pooling.py)
+    pooling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32"):
@@ -46,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"decode buckets must be positive integers, got {self.decode_buckets}")
         if not 0.0 < self.mem_fraction < 1.0:
             raise ValueError("mem_fraction must be in (0, 1)")
+        if self.pooling not in ("auto", "mean", "last"):
+            raise ValueError(f"pooling must be auto, mean or last, got {self.pooling!r}")
         if self.chunked_prefill_size < 16:
             raise ValueError("chunked_prefill_size must be at least 16")
 

@@ -15,10 +15,11 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar.compiler import GrammarCompiler
 from engine.kv_manager import KVManager
 from engine.loader import resolve_model_path
+from engine.loader.pooling import model_pooling
 from engine.loader.prepared import PreparedModel, open_cached, tokenizer_cached
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.request import Request
+from engine.request import Pooling, Request
 from engine.output_processor import OutputProcessor, take_output
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
@@ -47,6 +48,7 @@ class EngineCore:
         self.outputs = OutputProcessor(self.kvm, mc.eos_token_ids, mc.vocab_size, self.max_context)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.scheduler = Scheduler(self.kvm, self.outputs, config)
+        self.pooling: Pooling = model_pooling(config.model, config.pooling)
 
     def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       validate: bool = True) -> list[Request]:
@@ -91,6 +93,26 @@ class EngineCore:
                 f"({self.runner.kv_pool.num_slots} tokens)", "max_tokens")
         if params.grammar is not None:
             self.grammars.compile(params.grammar)  # raises GrammarError; cached, so the matcher later is cheap
+
+    def make_embedding_request(self, request_id: str, prompt_ids: list[int], pooling: Pooling) -> Request:
+        """A prefill-only request whose output is the pooled, L2-normalised final hidden state of its prompt."""
+        self.validate_embedding(prompt_ids)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        return Request(request_id=request_id, index=0, prompt_ids=list(prompt_ids), params=params, max_new_tokens=0,
+                       detok=IncrementalDetokenizer(self.tokenizer, list(prompt_ids), True), stop=StopChecker(()),
+                       pooling=pooling)
+
+    def validate_embedding(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise SamplingParamsError("an embedding input must contain at least one token", "input")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise SamplingParamsError(f"input token ids must be in [0, {vocab})", "input")
+        limit = min(self.max_context, self.runner.kv_pool.num_slots)
+        if len(prompt_ids) > limit:
+            raise SamplingParamsError(
+                f"this model's maximum context length is {limit} tokens; the input has {len(prompt_ids)} tokens",
+                "input")
 
     def add(self, reqs: list[Request]) -> None:
         for req in reqs:

@@ -49,6 +49,9 @@ class ForwardBatch:
     # [N] int64, prefill: each request's length once its whole prefill is done (LongRoPE picks its factors by it)
     fill_lens: torch.Tensor | None = None
     logit_rows: torch.Tensor | None = None  # [N] int64, prefill: the token rows whose logits are returned
+    # prefill of embedding requests: the forward returns every token's final-normed hidden state [T, hidden] (fp32)
+    # instead of logits
+    embed: bool = False
     req_to_token: torch.Tensor | None = None  # the pool's table, attached by the runner
     # Scheduler side, not seen by the model: the requests of the rows, in order, and for a prefill the tokens each
     # contributes and whether its prompt is complete after this chunk (then it is sampled).
@@ -70,6 +73,8 @@ class ForwardBatch:
         (or recompute) is complete."""
         if self.is_decode:
             return list(range(len(self.reqs)))
+        if self.embed:
+            return []
         return [i for i, done in enumerate(self.completes) if done]
 
     @classmethod
@@ -83,7 +88,7 @@ class ForwardBatch:
 
     @classmethod
     def prefill(cls, chunks: list[PrefillChunk], reqs: tuple[Request, ...] = (),
-                completes: tuple[bool, ...] = ()) -> ForwardBatch:
+                completes: tuple[bool, ...] = (), embed: bool = False) -> ForwardBatch:
         """A prefill batch of one chunk per request (`chunks[i]` belongs to `reqs[i]` when reqs are given)."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -102,7 +107,8 @@ class ForwardBatch:
             prefix_lens=torch.tensor([c.prefix_len for c in chunks], dtype=torch.int64),
             prefill_lens=torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64),
             fill_lens=torch.tensor([max(c.fill_len, c.prefix_len + len(c.token_ids)) for c in chunks]),
-            logit_rows=torch.tensor(last_rows, dtype=torch.int64),
+            logit_rows=None if embed else torch.tensor(last_rows, dtype=torch.int64),
+            embed=embed,
             reqs=reqs,
             chunk_lens=tuple(len(c.token_ids) for c in chunks),
             completes=completes,

@@ -55,24 +55,29 @@ class KVManager:
     # ---- a request's life -------------------------------------------------------------------------------
     def match(self, req: Request) -> int:
         """Map the longest cached prefix of the request's tokens into its (fresh) row and lock it; returns its
-        length. At least one token is always left to compute: the next token's logits come from it."""
+        length. At least one token is always left to compute: the next token's logits come from it. A mean-pooled
+        embedding needs every token's hidden state, so it reuses nothing (it still holds the tree's root, as every
+        admitted request holds a node)."""
         req.cached_len, req.cache_node = 0, None
         if self.cache is None:
             return 0
-        slots, node = self.cache.match(req.all_ids[: req.fill_len - 1])
+        reuse = req.pooling != "mean"
+        slots, node = self.cache.match(req.all_ids[: req.fill_len - 1] if reuse else [])
         self.cache.lock(node)
         req.cache_node, req.cached_len = node, slots.numel()
         self.req_pool.table[req.req_row, : req.cached_len] = slots.to(torch.int32)
-        self.stats.queried_tokens += req.fill_len
-        self.stats.hit_tokens += req.cached_len
+        if reuse:
+            self.stats.queried_tokens += req.fill_len
+            self.stats.hit_tokens += req.cached_len
         return req.cached_len
 
     def unmatch(self, req: Request) -> None:
         """Undo `match` for a request that is not admitted after all."""
         if self.cache is not None and req.cache_node is not None:
             self.cache.unlock(req.cache_node)
-            self.stats.queried_tokens -= req.fill_len
-            self.stats.hit_tokens -= req.cached_len
+            if req.pooling != "mean":
+                self.stats.queried_tokens -= req.fill_len
+                self.stats.hit_tokens -= req.cached_len
         req.cache_node, req.cached_len = None, 0
 
     def publish(self, req: Request) -> None:

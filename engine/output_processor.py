@@ -47,6 +47,9 @@ class OutputProcessor:
             for req, n in zip(batch.reqs, batch.chunk_lens):
                 req.kv_len += n
                 self.kvm.publish(req)
+        if batch.embed:
+            self._pool(batch, logits)
+            return
         rows = batch.sampled
         if not rows:
             return
@@ -54,6 +57,25 @@ class OutputProcessor:
         self.sample_and_append(reqs, logits if batch.is_decode else logits[rows])
         for req in reqs:
             if req.finished:
+                self.kvm.release(req)
+
+    def _pool(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+        """An embedding prefill's forward returns every token's final hidden state: fold each request's rows into
+        its pooled vector, and finish the requests whose prompt is complete."""
+        start = 0
+        for req, n, done in zip(batch.reqs, batch.chunk_lens, batch.completes):
+            rows = hidden[start : start + n]
+            start += n
+            if req.pooling == "mean":
+                part = rows.sum(0)
+                req.pooled = part if req.pooled is None else req.pooled + part
+            else:
+                req.pooled = rows[-1]
+            if done:
+                vec = req.pooled / len(req.prompt_ids) if req.pooling == "mean" else req.pooled
+                req.embedding = tuple(torch.nn.functional.normalize(vec, dim=0).tolist())
+                req.first_token_at = req.first_token_at or time.monotonic()
+                self.finish(req, "stop")
                 self.kvm.release(req)
 
     def _banned(self, req: Request) -> tuple[int, ...]:
@@ -164,6 +186,7 @@ def take_output(req: Request) -> RequestOutput | None:
         stop_reason=req.stop_reason,
         cached_tokens=req.cached_tokens or 0,
         metrics=metrics,
+        embedding=req.embedding,
     )
     req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []
     return out

@@ -27,3 +27,4 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (0 until admitted)
     metrics: dict[str, float] = field(default_factory=dict)  # on the last output: ttft, e2e, queue time (s)
+    embedding: tuple[float, ...] | None = None  # an embedding request's result, on its only output

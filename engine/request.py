@@ -4,12 +4,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.stop import StopChecker
+
+
+# How an embedding request pools its prompt's final hidden states; None: a generation request.
+Pooling = Literal["mean", "last"]
 
 
 class ReqStatus(enum.Enum):
@@ -39,6 +43,11 @@ class Request:
     # llguidance matcher of params.grammar, advanced by every output token (engine thread only). Retraction keeps
     # output_ids, so the matcher never needs rolling back.
     matcher: Any = None
+    # An embedding request is prefill-only: its prompt's final-normed hidden states are pooled (summed chunk by
+    # chunk for "mean") into `pooled` and it finishes when the prompt is done, with `embedding` (L2-normalised).
+    pooling: Pooling | None = None
+    pooled: Any = None  # torch.Tensor [hidden] fp32, engine thread only
+    embedding: tuple[float, ...] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     # what the next RequestOutput carries (the engine drains these after each step)

@@ -123,6 +123,10 @@ class Scheduler:
         tokens = sum(batch.chunk_lens)
         self._prefill_since_decode += tokens
         self.stats.prompt_tokens += tokens
+        if batch.embed:  # finished (and released) by the output processor once their prompt is done
+            for req, done in zip(batch.reqs, batch.completes):
+                if done:
+                    self.prefilling.remove(req)
         for i in batch.sampled:
             req = batch.reqs[i]
             self.prefilling.remove(req)
@@ -196,6 +200,8 @@ class Scheduler:
         for req in self.prefilling:
             if taken >= PREFILL_BATCH_TOKENS:
                 break
+            if members and (req.pooling is None) != (members[0].pooling is None):
+                break  # embedding prefills return hidden states, not logits: a batch holds one kind
             take = min(budget - taken, req.fill_len - req.kv_len)
             if take <= 0:
                 break
@@ -209,7 +215,7 @@ class Scheduler:
         if not chunks:
             return None
         completes = tuple(c.prefix_len + len(c.token_ids) == r.fill_len for c, r in zip(chunks, members))
-        return ForwardBatch.prefill(chunks, tuple(members), completes)
+        return ForwardBatch.prefill(chunks, tuple(members), completes, embed=members[0].pooling is not None)
 
     def _schedule_decode(self) -> ForwardBatch | None:
         while self.kvm.headroom() < len(self.running):
@@ -241,6 +247,7 @@ class Scheduler:
         """Free the newest request's KV and requeue it at the head; it is recomputed from its tokens later."""
         self._remove(req)
         self.kvm.release(req)
+        req.pooled = None  # an embedding's partial sum: its prompt is recomputed from the start
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
         self.stats.retractions += 1

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.loader.model_config import ModelConfig
+from engine.request import Pooling
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -29,6 +30,8 @@ class EngineInfo:
     weight_bytes: int  # what the weights hold in memory
     file_bytes: int  # the checkpoint's weight files on disk
     quantized_formats: dict[str, int]  # quantized format -> weights in it
+    pooling: Pooling  # how /v1/embeddings pools this model's hidden states
+    hidden_size: int  # the embeddings' length
 
     @classmethod
     def of(cls, core: EngineCore) -> EngineInfo:
@@ -40,7 +43,8 @@ class EngineInfo:
                    decode_buckets=tuple(runner.graphs.buckets), compiled=runner.graphs.compiled,
                    packed_linear=bool(runner.model.packed), weights_tag=runner.weights_tag,
                    weight_bytes=runner.weight_bytes, file_bytes=runner.file_bytes,
-                   quantized_formats=dict(quantized_formats(runner.model)))
+                   quantized_formats=dict(quantized_formats(runner.model)),
+                   pooling=core.pooling, hidden_size=core.model_config.hidden_size)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,8 @@ class Gemma3Model(LlamaModel):
                 x = layer(x, lcos, lsin, local, k_cache, v_cache)
             else:
                 x = layer(x, cos, sin, batch, k_cache, v_cache)
+        if batch.embed:
+            return gemma_norm(x, self.norm, cfg.rms_norm_eps).float()
         if batch.logit_rows is not None:
             x = x.index_select(0, batch.logit_rows)
         logits = self.logits(gemma_norm(x, self.norm, cfg.rms_norm_eps))

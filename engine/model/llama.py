@@ -127,7 +127,8 @@ class LlamaModel(nn.Module):
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        """fp32 logits [N, V]: of each decode row, or of each prefill chunk's last token (batch.logit_rows)."""
+        """fp32 logits [N, V]: of each decode row, or of each prefill chunk's last token (batch.logit_rows); for an
+        embedding prefill (batch.embed) every token's final-normed hidden state [T, hidden] instead."""
         positions = batch.positions
         x = embedding(batch.input_ids, self.embed_tokens, self.norm.dtype)  # the norms are in the serving dtype
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
@@ -138,6 +139,8 @@ class LlamaModel(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x = layer(x, cos, sin, batch, k_cache, v_cache)
+        if batch.embed:
+            return rms_norm(x, self.norm, self.cfg.rms_norm_eps).float()
         if batch.logit_rows is not None:
             x = x.index_select(0, batch.logit_rows)
         return self.logits(rms_norm(x, self.norm, self.cfg.rms_norm_eps))

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import RequestOutput, TokenLogprob
@@ -60,7 +62,7 @@ class Arrival:
     step: int  # engine step number at which the request is added
     request_id: str
     prompt: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: an embedding request
 
 
 def check_accounting(core: EngineCore) -> None:
@@ -97,11 +99,14 @@ class Driver:
         # over, also of half-prefilled and already-retracted requests: outputs must not depend on the heuristic.
         self.pin_new_token_ratio = pin_new_token_ratio
         self.streams: dict[tuple[str, int], Stream] = {}
+        self.embeddings: dict[str, torch.Tensor] = {}  # embedding requests' results, by request id
         self.steps = 0
         self.mixed_steps = 0  # steps that began with both a decode batch and prefill work pending
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        reqs = self.core.make_requests(request_id, prompt, params)
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams | None) -> None:
+        """params None: an embedding request, pooled as the engine's model says."""
+        reqs = (self.core.make_requests(request_id, prompt, params) if params is not None
+                else [self.core.make_embedding_request(request_id, prompt, self.core.pooling)])
         for r in reqs:
             self.streams[(request_id, r.index)] = Stream()
         self.core.add(reqs)
@@ -110,6 +115,8 @@ class Driver:
         outputs = list(outputs)
         for out in outputs:
             self.streams[(out.request_id, out.index)].take(out)
+            if out.embedding is not None:
+                self.embeddings[out.request_id] = torch.tensor(out.embedding)
         return outputs
 
     def abort(self, request_id: str) -> list[RequestOutput]:
