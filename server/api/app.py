@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
-from server.api import routes_chat, routes_embeddings, routes_native, routes_openai, routes_ops
+from server.api import routes_chat, routes_embeddings, routes_native, routes_openai, routes_ops, routes_responses
 from server.api.auth import require_api_key
 from server.api.errors import install_error_handlers
 from server.api.limits import BodySizeLimitMiddleware
@@ -91,6 +91,7 @@ def create_app(config: EngineConfig, settings: ServerSettings, on_exit: ExitHook
     app.include_router(routes_ops.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_chat.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_native.router)
     app.include_router(routes_embeddings.router)
     return app

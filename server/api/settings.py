@@ -26,6 +26,7 @@ class ServerSettings:
     # OpenAI's defaults (temperature 1, no top-p/top-k/min-p), the overrides still applying.
     generation_config: str = "auto"
     sampling_overrides: tuple[tuple[str, float], ...] = ()
+    responses_store_size: int = 1000  # stored /v1/responses kept for previous_response_id (an LRU; 0: none)
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
@@ -38,5 +39,7 @@ class ServerSettings:
             raise ValueError("metrics_compat must be None or 'vllm'")
         if self.generation_config not in ("auto", "none"):
             raise ValueError("generation_config must be 'auto' or 'none'")
+        if self.responses_store_size < 0:
+            raise ValueError("responses_store_size must be non-negative")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

@@ -69,6 +69,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "vllm:kv_cache_usage_perc (the same values as Ember's gauges), for routers that only know "
                         "vLLM's names, e.g. the Gateway API Inference Extension's endpoint picker "
                         "(default: %(default)s)")
+    g.add_argument("--responses-store-size", type=int, default=int(env("EMBER_RESPONSES_STORE_SIZE", "1000")),
+                   help="stored /v1/responses kept in memory for previous_response_id and GET /v1/responses/{id}, "
+                        "least recently used evicted first; 0 stores none (default: %(default)s)")
     g.add_argument("--log-level", default=env("EMBER_LOG_LEVEL", "info"),
                    choices=["critical", "error", "warning", "info", "debug"], help="(default: %(default)s)")
 
@@ -82,7 +85,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           metrics_compat=None if args.metrics_compat == "none" else args.metrics_compat,
                           reasoning_parser=None if args.reasoning_parser == "auto" else args.reasoning_parser,
                           generation_config=args.generation_config,
-                          sampling_overrides=sampling_overrides(args.override_generation_config))
+                          sampling_overrides=sampling_overrides(args.override_generation_config),
+                          responses_store_size=args.responses_store_size)
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
