@@ -2,8 +2,8 @@
 
 An engine step has three phases (engine/core.py EngineCore.step): `schedule()` decides the next forward, a prefill
 batch or the running decode batch, as one ForwardBatch; the runner runs it; the output processor samples, checks
-stops and releases KV (engine/output_processor.py); then `update()` moves requests between the queues. When both have work, a
-decode step follows every `chunked_prefill_size` prompt tokens at most, and sooner when decode steps are cheap
+stops and releases KV (engine/output_processor.py); then `update()` moves requests between the queues. When both
+have work, a decode step follows every `chunked_prefill_size` prompt tokens at most, and sooner when decode steps are cheap
 next to the prefill (DECODE_SHARE), so a long prompt being prefilled in chunks never stalls the decode batch for
 its whole length; prefill batches are small (PREFILL_BATCH_TOKENS), so of several prompts arriving together the
 first gets its first token without waiting for the others.

@@ -128,6 +128,8 @@ async def server_info(request: Request) -> dict[str, Any]:
         # unset sampling fields take (--generation-config, the config file's [sampling] table)
         "reasoning_parser": reasoning_parser_for(state) or "none",
         "sampling_defaults": {**OPENAI_SAMPLING, **sampling_defaults(state)},
+        # /v1/embeddings: how hidden states are pooled (--pooling, or the model folder's) and the vectors' length
+        "embeddings": {"pooling": info.pooling, "dimensions": info.hidden_size},
         "max_n": settings.max_n,
         "max_request_bytes": settings.max_request_bytes,
         "auth": settings.api_key is not None,

@@ -1,5 +1,5 @@
-"""Fuzzes the generation and tokenizer endpoints of a real `ember serve` (tiny random Llama) from the API's own
-OpenAPI schema with schemathesis: no request may get a 5xx, every error is in OpenAI's shape, and afterwards the
+"""Fuzzes the generation, tokenizer and embedding endpoints of a real `ember serve` (tiny random Llama) from the
+API's own OpenAPI schema with schemathesis: no request may get a 5xx, every error is in OpenAI's shape, and afterwards the
 server still answers, its log holds no traceback and its KV pool and queues are empty.
 
 The server serves no /openapi.json (create_app sets openapi_url=None), so the schema is the one FastAPI builds for
@@ -40,7 +40,7 @@ from server_harness import (
     wait_until,
 )
 
-FUZZED = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/tokenize", "/v1/detokenize")
+FUZZED = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/tokenize", "/v1/detokenize", "/v1/embeddings")
 GENERATION = FUZZED[:3]
 EXAMPLES = int(os.environ.get("EMBER_FUZZ_EXAMPLES", "40"))  # cases per operation and pass (more: a deeper run)
 CONTEXT = 128  # --max-context-len: no generated max_tokens can make a case slow
