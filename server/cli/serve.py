@@ -102,7 +102,8 @@ def sampling_overrides(text: str) -> tuple[tuple[str, float], ...]:
         raise SystemExit(f"--override-generation-config is not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise SystemExit("--override-generation-config must be a JSON object")
-    bad = [k for k, v in raw.items() if k not in SAMPLING_FIELDS or isinstance(v, bool) or not isinstance(v, int | float)]
+    bad = [k for k, v in raw.items()
+           if k not in SAMPLING_FIELDS or isinstance(v, bool) or not isinstance(v, int | float)]
     if bad:
         raise SystemExit(f"--override-generation-config: {', '.join(bad)}: expected numbers for "
                          f"{', '.join(SAMPLING_FIELDS)}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -128,10 +127,11 @@ def test_qwen3_output_opens_the_block(qwen3: Server) -> None:
     out = openai_client(qwen3).chat.completions.create(model="tiny-llama", messages=ASK, temperature=0,
                                                        max_tokens=64, extra_body={"guided_regex": QWEN3_REGEX})
     message = out.choices[0].message
-    assert re.fullmatch(r"\n[a-z]{3}\n", message.reasoning_content)  # type: ignore[attr-defined]
+    reasoning = message.reasoning_content  # type: ignore[attr-defined]
+    assert re.fullmatch(r"\n[a-z]{3}\n", reasoning)
     assert message.content == "Paris"
-    assert _stream(openai_client(qwen3), temperature=0, max_tokens=64,
-                   extra_body={"guided_regex": QWEN3_REGEX})[:2] == (message.reasoning_content, "Paris")  # type: ignore[attr-defined]
+    streamed = _stream(openai_client(qwen3), temperature=0, max_tokens=64, extra_body={"guided_regex": QWEN3_REGEX})
+    assert streamed[:2] == (reasoning, "Paris")
 
 
 def test_enable_thinking_false_reaches_the_template(qwen3: Server) -> None:
