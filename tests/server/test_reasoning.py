@@ -159,3 +159,27 @@ def test_include_reasoning_false_without_a_parser_is_a_400(server: Server, http:
                                                    "include_reasoning": False})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "include_reasoning"
     assert http.get("/get_server_info").json()["reasoning_parser"] == "none"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+# A call written inside the reasoning is thought, not a call: only the answer's call counts.
+TOOL_REGEX = (r'maybe <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Rome"\}\}\n</tool_call>'
+              r'</think>\n\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>')
+
+
+def test_tool_calls_are_read_from_the_answer_only(r1: Server) -> None:
+    client = openai_client(r1)
+    out = client.chat.completions.create(model="tiny-llama", messages=ASK, tools=TOOLS, temperature=0,
+                                         max_tokens=400, extra_body={"guided_regex": TOOL_REGEX})
+    choice = out.choices[0]
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert "Rome" in choice.message.reasoning_content  # type: ignore[attr-defined]
+    assert choice.finish_reason == "tool_calls"
+    streamed: list[str] = []
+    for chunk in client.chat.completions.create(model="tiny-llama", messages=ASK, tools=TOOLS, temperature=0,
+                                                max_tokens=400, stream=True, extra_body={"guided_regex": TOOL_REGEX}):
+        for c in chunk.choices:
+            streamed += [t.function.arguments or "" for t in c.delta.tool_calls or [] if t.function]
+    assert json.loads("".join(streamed)) == {"city": "Paris"}
