@@ -139,11 +139,15 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 def chat_request(body: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat completion request of a Responses request over the conversation `items` (raises APIError)."""
     tools = function_tools(body.tools)
+    choice = _tool_choice(body.tool_choice, bool(tools))
+    # A forced call's output is the call, not the answer text.format describes (OpenAI takes both; agents send
+    # both on a forced turn): the tool-call grammar constrains that turn, text.format the answering ones.
+    forced = choice == "required" or isinstance(choice, dict)
     fields: dict[str, Any] = {
         "messages": chat_messages(body.instructions, items), "max_completion_tokens": body.max_output_tokens,
-        "temperature": body.temperature, "top_p": body.top_p, "tools": tools or None,
-        "tool_choice": _tool_choice(body.tool_choice, bool(tools)), "parallel_tool_calls": body.parallel_tool_calls,
-        "response_format": _response_format(body.text)}
+        "temperature": body.temperature, "top_p": body.top_p, "tools": tools or None, "tool_choice": choice,
+        "parallel_tool_calls": body.parallel_tool_calls, "response_format": None if forced else
+        _response_format(body.text)}
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
