@@ -20,13 +20,14 @@ class NativeSamplingParams(BaseModel):
 
     max_new_tokens: int | None = 128  # SGLang's default
     min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    # None: the server's sampling defaults (the model's, as SGLang's --sampling-defaults model; else 1, 1, -1, 0, 1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -15,7 +15,14 @@ from server.api.deps import check_model, get_state
 from server.api.errors import APIError
 from server.api.generation import TaggedOutputs, check_admission, generate, merge, unless_disconnected
 from server.api.openai_format import ChoiceResult, clamp
-from server.api.prompts import encode, in_tokenizer_thread, message_dicts, render_chat, sampling_params
+from server.api.prompts import (
+    encode,
+    in_tokenizer_thread,
+    message_dicts,
+    render_chat,
+    sampling_defaults,
+    sampling_params,
+)
 from server.api.protocol import SamplingFields
 from server.api.protocol_native import (
     DetokenizeRequest,
@@ -36,7 +43,7 @@ router = APIRouter()
 
 
 def _params(sp: NativeSamplingParams, body: GenerateRequest, max_n: int,
-            grammar: GrammarSpec | None) -> SamplingParams:
+            grammar: GrammarSpec | None, defaults: dict[str, float]) -> SamplingParams:
     fields = SamplingFields(
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, n=sp.n, stop=sp.stop,
         seed=sp.seed, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
@@ -44,7 +51,7 @@ def _params(sp: NativeSamplingParams, body: GenerateRequest, max_n: int,
         stop_token_ids=sp.stop_token_ids, skip_special_tokens=sp.skip_special_tokens, logit_bias=sp.logit_bias,
     )
     return sampling_params(fields, sp.max_new_tokens, logprobs=body.return_logprob,
-                           top_logprobs=body.top_logprobs_num, max_n=max_n, grammar=grammar)
+                           top_logprobs=body.top_logprobs_num, max_n=max_n, grammar=grammar, defaults=defaults)
 
 
 async def _prompts(state: ServerState, body: GenerateRequest) -> list[list[int]]:
@@ -75,7 +82,7 @@ async def native_generate(body: GenerateRequest, request: Request) -> Response:
     check_and_log_request_fields(body, "generate")
     sp = body.sampling_params
     grammar = native_grammar(sp.json_schema, sp.regex, sp.ebnf)
-    params = _params(sp, body, state.settings.max_n, grammar)
+    params = _params(sp, body, state.settings.max_n, grammar, sampling_defaults(state))  # as SGLang's "model" defaults
     prompts = await _prompts(state, body)
     if not prompts:
         raise APIError(400, "no prompt given", param="text")

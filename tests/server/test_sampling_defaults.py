@@ -83,3 +83,29 @@ def test_readme_curl_answers_paris(tmp_path: Path) -> None:
         assert resp.status_code == 200, resp.text
         answers = [c["message"]["content"] for c in resp.json()["choices"]]
         assert all("Paris" in a for a in answers), answers
+
+
+def test_native_generate_takes_the_defaults_too(auto: Server) -> None:
+    """SGLang's /generate: unset temperature is the folder's 0 as well (its --sampling-defaults model)."""
+    with http_client(auto) as http:
+        texts = {http.post("/generate", json={"text": PROMPT, "sampling_params": {
+            "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": seed}}).json()["text"] for seed in range(3)}
+    assert len(texts) == 1
+
+
+def test_gguf_sampling_keys_are_read(tmp_path: Path) -> None:
+    from gguf import GGUFReader, GGUFWriter
+
+    from engine.loader.gguf_file import gguf_sampling_defaults
+
+    path = tmp_path / "keys.gguf"
+    w = GGUFWriter(path, "llama")
+    w.add_float32("general.sampling.temp", 0.6)
+    w.add_float32("general.sampling.top_p", 0.95)
+    w.add_int32("general.sampling.top_k", 20)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got = dict(gguf_sampling_defaults(GGUFReader(path)))
+    assert got == pytest.approx({"temperature": 0.6, "top_p": 0.95, "top_k": 20.0})
