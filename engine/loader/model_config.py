@@ -75,7 +75,8 @@ class ModelConfig:
     quantized: bool = False
     # The model's recommended sampling values (generation_config.json, a GGUF's general.sampling.* keys), by
     # SamplingParams field name: what a request that leaves the field unset gets (server/api/prompts.py).
-    sampling_defaults: tuple[tuple[str, float], ...] = field(default=(), compare=False)
+    # Not in the repr: the saved decode steps are named after repr(ModelConfig), and sampling does not reach a graph.
+    sampling_defaults: tuple[tuple[str, float], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def q_size(self) -> int:

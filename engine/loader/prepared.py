@@ -59,6 +59,8 @@ class PreparedModel:
         for name in ("eos_token_ids", "moe_layers", "window_layers"):  # tuples in ModelConfig, lists in JSON
             if name in fields:
                 fields[name] = tuple(fields[name])
+        if "sampling_defaults" in fields:  # ((name, value), ...): pairs come back from JSON as lists
+            fields["sampling_defaults"] = tuple((str(k), float(v)) for k, v in fields["sampling_defaults"])
         # The HF config object only serves rope types other than the default (engine/model/rope.py); parsing it
         # imports transformers' model-config modules, which import dynamo: ~1 s of a short `ember generate`.
         rope_type = (fields.get("rope_scaling") or {}).get("rope_type", "default")

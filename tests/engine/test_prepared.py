@@ -42,6 +42,8 @@ def test_restart_reads_the_prepared_copy_only(make_tiny_model: Callable[..., Pat
     monkeypatch.setattr(engine.model_runner, "build_model", refuse)
     second = _core(folder, tmp_path, dtype)
     assert second.model_config == first.model_config
+    assert second.model_config.sampling_defaults == first.model_config.sampling_defaults  # (not compared by ==)
+    assert repr(second.model_config) == repr(first.model_config)  # the saved decode steps are named after it
     assert second.tokenizer.chat_template == first.tokenizer.chat_template
     assert second.generate(PROMPTS, GREEDY) == want
 
