@@ -14,7 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from server_harness import API_KEY, MODEL_NAME, TINY_CONTEXT, Server, assert_error, openai_client, tiny_server
+from server_harness import (API_KEY, MODEL_NAME, TINY_CONTEXT, Server, assert_error, idle, openai_client, tiny_server,
+                            wait_until)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
@@ -78,6 +79,18 @@ def test_stream_sse_event_lines_name_the_type(http: httpx.Client) -> None:
     names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
     datas = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
     assert names == [d["type"] for d in datas] and len(names) >= 6
+
+
+def test_disconnect_mid_stream_frees_the_kv(http: httpx.Client, server: Server) -> None:
+    # A string of at least 4000 characters: the grammar keeps EOS out, so the request is still running when the
+    # client goes away.
+    long = {"type": "json_schema", "name": "long", "schema": {"type": "string", "minLength": 4000}}
+    body = {"input": "Write", "stream": True, "max_output_tokens": 6000, "text": {"format": long}}
+    with http.stream("POST", "/v1/responses", json=body) as resp:
+        lines = resp.iter_lines()
+        assert any(line == "event: response.output_text.delta" for line in lines)
+        wait_until(server, lambda m: m["ember:num_requests_running"] == 1, "the streamed request running")
+    wait_until(server, idle, "the aborted request's KV freed")
 
 
 def _forced_call(client: openai.OpenAI, **extra: object) -> openai.types.responses.Response:
