@@ -15,9 +15,18 @@ from fastapi import Depends, FastAPI
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
-from server.api import routes_chat, routes_embeddings, routes_native, routes_openai, routes_ops, routes_responses
+from server.api import (
+    routes_anthropic,
+    routes_chat,
+    routes_embeddings,
+    routes_native,
+    routes_openai,
+    routes_ops,
+    routes_responses,
+)
 from server.api.auth import require_api_key
 from server.api.errors import install_error_handlers
+from server.api.http_metrics import HTTPMetricsMiddleware
 from server.api.limits import BodySizeLimitMiddleware
 from server.api.metrics import ServerMetrics
 from server.api.settings import ServerSettings
@@ -88,9 +97,11 @@ def create_app(config: EngineConfig, settings: ServerSettings, on_exit: ExitHook
     app.state.settings = settings
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(HTTPMetricsMiddleware)  # outermost: it sees the status of every answer, 413s included
     app.include_router(routes_ops.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_chat.router)
+    app.include_router(routes_anthropic.router)
     app.include_router(routes_responses.router)
     app.include_router(routes_native.router)
     app.include_router(routes_embeddings.router)

@@ -1,4 +1,5 @@
-"""Every error leaves the server as OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`.
+"""Every error leaves the server as OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`, but
+on the Anthropic routes (/v1/messages...), where it is Anthropic's `{"type": "error", "error": {"type", "message"}}`.
 
 Handlers here turn FastAPI's validation errors (422 by default) into 400, unknown routes into 404, engine
 validation into 400 with the offending field, a full queue into 503 + Retry-After, and anything unexpected
@@ -35,6 +36,27 @@ _TYPES: dict[int, str] = {
 }
 
 
+# status -> Anthropic error type (its clients pick their exception class by status, and show the type)
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
 class APIError(Exception):
     """Raised anywhere in a route; rendered by `api_error_handler`."""
 
@@ -55,8 +77,10 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=dict(headers or {}))
+                   headers: Mapping[str, str] | None = None, path: str = "") -> JSONResponse:
+    """`path`: the request's; an Anthropic route gets Anthropic's shape (which has no param or code)."""
+    body = anthropic_error_body(status, message) if is_anthropic(path) else error_body(status, message, param, code)
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
 def unavailable(message: str, retry_after: int) -> APIError:
@@ -83,7 +107,7 @@ def known_error(exc: Exception) -> APIError | None:
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, request.url.path)
 
 
 async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -96,7 +120,7 @@ async def validation_error_handler(request: Request, exc: Exception) -> JSONResp
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more errors)"
-    return error_response(400, message, param, "invalid_value")
+    return error_response(400, message, param, "invalid_value", path=request.url.path)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -108,7 +132,7 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
         message = f"method {request.method} not allowed on {request.url.path}"
     else:
         message = str(exc.detail) if exc.detail else http.HTTPStatus(status).phrase
-    return error_response(status, message, headers=exc.headers)
+    return error_response(status, message, headers=exc.headers, path=request.url.path)
 
 
 async def engine_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -155,7 +179,8 @@ class InternalErrorMiddleware:
             if started:
                 raise
             log.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
-            await error_response(500, "internal server error", code="internal_error")(scope, receive, send)
+            await error_response(500, "internal server error", code="internal_error",
+                                 path=scope.get("path", ""))(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

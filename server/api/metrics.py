@@ -120,6 +120,9 @@ class ServerMetrics:
                                     buckets=_TOKEN_BUCKETS, registry=r)
         self.output_len = Histogram("ember:request_generation_tokens", "Generated tokens per sequence.",
                                     buckets=_TOKEN_BUCKETS, registry=r)
+        # Fed by server/api/http_metrics.py: every route, by its path template and the response status.
+        self.http_requests = Counter("ember:http_requests", "HTTP requests by route and response status.",
+                                     ["route", "status"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(reason)  # export zeros from the start, so rates work from the first scrape
 

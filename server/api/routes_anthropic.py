@@ -1,0 +1,78 @@
+"""Anthropic's Messages API: POST /v1/messages (streamed or not) and POST /v1/messages/count_tokens.
+
+A request is mapped onto a chat completion request (server/api/anthropic_format.py) and goes through the chat
+route's own steps: tool planning (template tools, parser, forced-call grammar), the chat template, sampling
+parameters, admission. So a prompt renders, and a tool call is forced and parsed, exactly as in chat. Errors on
+these routes are in Anthropic's shape (server/api/errors.py).
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.api.anthropic_format import as_chat_request, content_blocks, log_ignored, stop_reason
+from server.api.anthropic_stream import MessageSpec, message_events
+from server.api.chat_tools import ToolPlan, message_parts
+from server.api.deps import check_model, get_state
+from server.api.generation import check_admission, unless_disconnected
+from server.api.prompts import in_tokenizer_thread, render_chat_prompt, sampling_defaults, sampling_params
+from server.api.protocol import ChatCompletionRequest
+from server.api.protocol_anthropic import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+    Usage,
+)
+from server.api.routes_chat import _plan
+from server.api.routes_openai import collect, streams
+from server.api.sse import HEADERS, EventStreamResponse
+from server.api.state import ServerState
+from server.api.structured import compile_grammar
+
+router = APIRouter()
+
+
+async def _prompt(state: ServerState, body: CountTokensRequest) -> tuple[ChatCompletionRequest, ToolPlan, list[int]]:
+    """(the chat request, its tool plan, prompt ids), rendered as chat renders them. Raises APIError (400/404)."""
+    log_ignored(body)
+    check_model(state, body.model)
+    chat = as_chat_request(body)
+    plan = await _plan(state, chat)
+    prompt, _ = await in_tokenizer_thread(state, render_chat_prompt, state.core.tokenizer, plan.messages, True,
+                                          plan.template_tools, None)
+    return chat, plan, prompt
+
+
+@router.post("/v1/messages/count_tokens", response_model=None)
+async def count_tokens(body: CountTokensRequest, request: Request) -> CountTokensResponse:
+    _, _, prompt = await _prompt(get_state(request), body)
+    return CountTokensResponse(input_tokens=len(prompt))
+
+
+@router.post("/v1/messages", response_model=None)
+async def create_message(body: MessagesRequest, request: Request) -> Response | MessageResponse:
+    state = get_state(request)
+    chat, plan, prompt = await _prompt(state, body)
+    params = sampling_params(chat, body.max_tokens, logprobs=False, top_logprobs=0, max_n=state.settings.max_n,
+                             grammar=plan.grammar, defaults=sampling_defaults(state))
+    if plan.keep_special_tokens:
+        params = replace(params, skip_special_tokens=False)
+    await compile_grammar(state, plan.grammar)
+    check_admission(state, [prompt], params)
+    message_id = f"msg_{uuid.uuid4().hex}"
+    outputs = streams(state, message_id, [prompt], params)
+    parallel = chat.parallel_tool_calls is not False
+    if body.stream:
+        spec = MessageSpec(message_id, state.model_name, len(prompt), body.stop_sequences, plan.parser, parallel)
+        return EventStreamResponse(message_events(spec, outputs), headers=HEADERS)
+    r = (await unless_disconnected(request, collect(outputs, 1, 1)))[0]
+    text, calls = message_parts(plan.parser, r.text, parallel)
+    reason, sequence = stop_reason(r.finish_reason, r.stop_reason, body.stop_sequences, bool(calls))
+    return MessageResponse(id=message_id, model=state.model_name, content=content_blocks(text, calls),
+                           stop_reason=reason, stop_sequence=sequence,
+                           usage=Usage(input_tokens=len(prompt) - r.cached_tokens, output_tokens=r.completion_tokens,
+                                       cache_read_input_tokens=r.cached_tokens))
