@@ -40,7 +40,8 @@ from server_harness import (
     wait_until,
 )
 
-FUZZED = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/tokenize", "/v1/detokenize", "/v1/embeddings")
+FUZZED = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/tokenize", "/v1/detokenize", "/v1/embeddings",
+          "/v1/responses")
 GENERATION = FUZZED[:3]
 EXAMPLES = int(os.environ.get("EMBER_FUZZ_EXAMPLES", "40"))  # cases per operation and pass (more: a deeper run)
 CONTEXT = 128  # --max-context-len: no generated max_tokens can make a case slow
