@@ -30,6 +30,7 @@ async def require_api_key(request: Request) -> None:
         return
     presented = _presented_key(request)
     if presented is None:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                       code="invalid_api_key")
     if not secrets.compare_digest(presented.encode(), expected.encode()):
         raise APIError(401, "invalid API key", code="invalid_api_key")
