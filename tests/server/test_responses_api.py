@@ -1,6 +1,6 @@
 """POST /v1/responses (OpenAI's Responses API) through the official openai SDK, and an openai-agents loop, on a
 real server over the tiny random model: the protocol is what is tested here, not the model's answers (the
-grammar forces tool calls and JSON where a test needs them).
+grammar forces tool calls and JSON where a test needs them). One slow test chains real SmolLM2 turns.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from server_harness import (API_KEY, MODEL_NAME, TINY_CONTEXT, Server, assert_error, idle, openai_client, tiny_server,
-                            wait_until)
+from server_harness import (API_KEY, MODEL_NAME, TINY_CONTEXT, Server, assert_error, idle, openai_client, run_server,
+                            tiny_server, wait_until)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
@@ -110,7 +110,7 @@ def test_required_tool_then_output_chained_and_stateless(client: openai.OpenAI) 
     assert chained.status in ("completed", "incomplete") and chained.previous_response_id == first.id
     # The chained turn's prompt starts with the first turn's prompt: the prefix cache serves it.
     assert chained.usage.input_tokens > first.usage.input_tokens
-    assert chained.usage.input_tokens_details.cached_tokens > 0
+    assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens > 0
     history = [{"role": "user", "content": "What is the weather in Paris?"},
                {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
                 "arguments": calls[0].arguments}, result]
@@ -230,3 +230,26 @@ def test_openai_agents_loop_calls_a_tool_and_finishes(server: Server) -> None:
     assert calls and calls[0] and isinstance(result.final_output, Verdict)
     kinds = [item.type for item in result.new_items]
     assert "tool_call_item" in kinds and "tool_call_output_item" in kinds and kinds[-1] == "message_output_item"
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    args = ["--disable-compile", "--max-total-tokens", "16384", "--max-running-requests", "4"]
+    with run_server(args, tmp_path_factory.mktemp("smol") / "server.log", timeout=300) as srv:
+        yield srv
+
+
+@pytest.mark.slow
+def test_smollm2_chained_turn_reuses_the_previous_turn(smol: Server) -> None:
+    client = openai.OpenAI(base_url=smol.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    ask = dict(model=model, instructions="Answer in one sentence.", max_output_tokens=40, temperature=0)
+    first = client.responses.create(input="What is the capital of France?", **ask)
+    assert first.status == "completed" and "Paris" in first.output_text
+    second = client.responses.create(input="And of Italy?", previous_response_id=first.id, **ask)
+    assert "Rome" in second.output_text
+    # The previous prompt and its answer render again as the same tokens: all but the last are cached (the
+    # answer's last token was sampled, never fed through the model, so it has no K/V).
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens - 1
+    events = list(client.responses.create(input="What is the capital of France?", stream=True, **ask))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
