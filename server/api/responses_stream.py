@@ -12,6 +12,7 @@ exactly the non-streamed message text.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -40,8 +41,9 @@ from server.api.protocol_responses import (
     ResponseUsage,
 )
 from server.api.reasoning import ReasoningParser, Start
-from server.api.sse import log
 from server.api.tool_parsers import ToolCall, ToolParser
+
+log = logging.getLogger("ember.server")
 
 
 def item_id(prefix: str) -> str:

@@ -16,12 +16,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine.params_error import SamplingParamsError
 from server.api.chat_tools import ToolPlan, message_parts
 from server.api.deps import check_model, get_state
-from server.api.errors import APIError
+from server.api.errors import APIError, from_sampling_error
 from server.api.generation import check_admission, unless_disconnected
-from server.api.protocol import ChatCompletionRequest
 from server.api.prompts import in_tokenizer_thread, render_chat_prompt, sampling_defaults, sampling_params
+from server.api.protocol import ChatCompletionRequest
 from server.api.protocol_responses import (
     DeletedResponse,
     FunctionCallItem,
@@ -42,6 +43,7 @@ from server.api.structured import compile_grammar, request_grammar
 
 log = logging.getLogger("ember.server")
 router = APIRouter()
+_RENAMED = {"max_tokens": "max_output_tokens"}
 
 
 def _store(request: Request) -> ResponseStore:
@@ -68,8 +70,18 @@ def _conversation(request: Request, body: ResponsesRequest) -> tuple[list[dict[s
     return before, input_items(body)
 
 
+# Responses fields that ask for something Ember does not do: a 400 unless unset (or their neutral value).
+_REFUSED = {"background": (False, "Ember runs every response in the foreground"),
+            "conversation": (None, "Ember has no conversations: chain turns with previous_response_id"),
+            "prompt": (None, "Ember has no stored prompt templates")}
+
+
 def _log_ignored(body: ResponsesRequest) -> None:
-    ignored = sorted((body.model_extra or {}).keys())
+    extra = body.model_extra or {}
+    for name, (neutral, why) in _REFUSED.items():
+        if extra.get(name, neutral) not in (None, neutral):
+            raise APIError(400, f"{name} is not supported: {why}", param=name, code="unsupported_field")
+    ignored = sorted(k for k in extra if k not in _REFUSED)
     if ignored:
         log.warning("responses request: ignored unknown fields %s", ", ".join(ignored[:16]))
 
@@ -109,12 +121,16 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response 
     grammar = plan.grammar or request_grammar(chat)
     if grammar is not None and start is not None and CLOSE not in grammar.source:
         grammar = replace(grammar, prefix=grammar_prefix(start))
-    params = sampling_params(chat, body.max_output_tokens, logprobs=False, top_logprobs=0,
-                             max_n=state.settings.max_n, grammar=grammar, defaults=sampling_defaults(state))
-    if plan.keep_special_tokens:
-        params = replace(params, skip_special_tokens=False)
-    await compile_grammar(state, grammar)
-    check_admission(state, [prompt], params)
+    try:
+        params = sampling_params(chat, body.max_output_tokens, logprobs=False, top_logprobs=0,
+                                 max_n=state.settings.max_n, grammar=grammar, defaults=sampling_defaults(state))
+        if plan.keep_special_tokens:
+            params = replace(params, skip_special_tokens=False)
+        await compile_grammar(state, grammar)
+        check_admission(state, [prompt], params)
+    except SamplingParamsError as exc:  # the engine names chat's field; this API calls it max_output_tokens
+        raise from_sampling_error(SamplingParamsError(str(exc).replace("max_tokens", "max_output_tokens"),
+                                                      _RENAMED.get(exc.param, exc.param))) from None
     turn = Turn(f"resp_{uuid.uuid4().hex}", state.model_name, body, len(prompt), state.core.tokenizer)
     parallel = body.parallel_tool_calls is not False
     outputs = streams(state, turn.response_id, [prompt], params)

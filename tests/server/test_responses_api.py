@@ -178,7 +178,9 @@ def test_unrunnable_tool_types_are_dropped(client: openai.OpenAI, server: Server
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "temperature": "hot"}, "temperature"),
-    ({"input": "x", "max_output_tokens": 0}, "max_tokens"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
 ])
 def test_bad_input_is_400(http: httpx.Client, client: openai.OpenAI, body: dict, param: str) -> None:
     err = assert_error(http.post("/v1/responses", json=body), 400)
