@@ -255,3 +255,37 @@ def test_smollm2_chained_turn_reuses_the_previous_turn(smol: Server) -> None:
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens - 1
     events = list(client.responses.create(input="What is the capital of France?", stream=True, **ask))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
+
+
+# The R1 distills' template (as in test_reasoning.py): the generation prompt opens the think block, so a random
+# model's whole output is reasoning, cut off at max_output_tokens.
+R1_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1]"
+    " + '<｜end▁of▁sentence｜>' }}{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def r1(make_tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = make_tiny_model("llama", max_position_embeddings=TINY_CONTEXT, chat_template=R1_TEMPLATE)
+    with tiny_server(model, tmp_path_factory.mktemp("r1") / "server.log") as srv:
+        yield srv
+
+
+def test_reasoning_is_its_own_item(r1: Server) -> None:
+    client = openai_client(r1)
+    ask = dict(model=MODEL_NAME, input="Think", max_output_tokens=8, temperature=0)
+    whole = client.responses.create(**ask)
+    kinds = [item.type for item in whole.output]
+    assert kinds == ["reasoning", "message"] and whole.output_text == "", kinds
+    thought = whole.output[0].content[0].text
+    assert thought and "<think>" not in thought
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= whole.usage.output_tokens == 8
+    events = list(client.responses.create(stream=True, **ask))
+    final = events[-1].response
+    assert [i.type for i in final.output] == kinds and final.output[0].content[0].text == thought
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
