@@ -1,4 +1,4 @@
-"""Request body size limit as a pure ASGI middleware (413 in OpenAI's error shape).
+"""Request body size limit as a pure ASGI middleware (413 in OpenAI's error shape; Anthropic's on its routes).
 
 A declared Content-Length over the limit is refused before any byte of the body is read. A chunked body is
 counted as it arrives and refused once it crosses the limit, so no body larger than the limit is ever held.
@@ -11,7 +11,7 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import error_body
+from server.api.errors import anthropic_error_body, error_body, is_anthropic
 
 
 def _too_large(limit: int) -> str:
@@ -28,7 +28,7 @@ class BodySizeLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
+            await self._reject(send, scope.get("path", ""))
             return
         seen = 0
 
@@ -44,8 +44,11 @@ class BodySizeLimitMiddleware:
 
         await self.app(scope, limited_receive, send)
 
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(error_body(413, _too_large(self.max_bytes), code="request_too_large")).encode()
+    async def _reject(self, send: Send, path: str) -> None:
+        message = _too_large(self.max_bytes)
+        shaped = anthropic_error_body(413, message) if is_anthropic(path) else error_body(413, message,
+                                                                                          code="request_too_large")
+        body = json.dumps(shaped).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -173,6 +173,16 @@ def test_errors_in_anthropic_shape(client: anthropic.Anthropic, smol: Server, mo
     with pytest.raises(anthropic.NotFoundError) as unknown_model:
         client.messages.create(model="claude-opus-4", max_tokens=8, messages=QUESTION)
     _anthropic_error(unknown_model.value.body, "not_found_error")
+    # A body declared over --max-request-bytes is refused before it is read, in Anthropic's shape too.
+    with socket.create_connection(("127.0.0.1", int(smol.base_url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(f"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {10**12}\r\n\r\n".encode())
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    _anthropic_error(json.loads(payload), "request_too_large")
     # The OpenAI routes keep OpenAI's shape.
     openai_shaped = httpx.post(smol.base_url + "/v1/chat/completions", json={"messages": []},
                                headers={"x-api-key": KEY}, timeout=30)
