@@ -70,6 +70,7 @@ def test_stream_matches_non_streamed(client: openai.OpenAI) -> None:
     assert "".join(deltas) == whole.output_text
     final = events[-1].response
     assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
+    assert client.responses.retrieve(final.id).output_text == whole.output_text  # a streamed turn is stored too
 
 
 def test_stream_sse_event_lines_name_the_type(http: httpx.Client) -> None:
