@@ -71,18 +71,24 @@ def test_config_file_sampling_table_overrides_the_model(folder: Path, tmp_path: 
 @pytest.mark.slow
 def test_readme_curl_answers_paris(tmp_path: Path) -> None:
     """README's first request (no temperature) against `make serve` (the embedded SmolLM2 with
-    configs/smollm2.toml): the model card's temperature 0.2 / top_p 0.9 answer it."""
+    configs/smollm2.toml, the model card's temperature 0.2 / top_p 0.9). The Q4_1 model's first token is close
+    between "The" (-1.92) and "L" (-2.04, which goes on in French), so at 0.2 about two samples in three say Paris
+    (42 of 64 measured) and greedy always does: the test asks 64 samples for at least 28 (a 3-sigma margin)."""
     config = Path(__file__).resolve().parents[2] / "configs" / "smollm2.toml"
-    args = ["--config", str(config), "--disable-compile", "--num-threads", "2", "--api-key", API_KEY]
+    args = ["--config", str(config), "--disable-compile", "--num-threads", "2", "--api-key", API_KEY,
+            "--max-n", "16"]
+    ask = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 48,
+           "messages": [{"role": "user", "content": "What is the capital of France?"}]}
     with run_server(args, tmp_path / "server.log", timeout=600) as srv, http_client(srv) as http:
         assert _info(srv)["temperature"] == 0.2
-        # The README's body, plus n (three samples must all answer) and a bound on a rambling answer's length.
-        resp = http.post("/v1/chat/completions", timeout=300, json={
-            "model": "SmolLM2-135M-Instruct.Q4_1", "n": 3, "max_tokens": 48,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert resp.status_code == 200, resp.text
-        answers = [c["message"]["content"] for c in resp.json()["choices"]]
-        assert all("Paris" in a for a in answers), answers
+        answers: list[str] = []
+        for _ in range(4):
+            resp = http.post("/v1/chat/completions", timeout=300, json={**ask, "n": 16})
+            assert resp.status_code == 200, resp.text
+            answers += [c["message"]["content"] for c in resp.json()["choices"]]
+        assert sum("Paris" in a for a in answers) >= 28, answers
+        greedy = http.post("/v1/chat/completions", timeout=300, json={**ask, "temperature": 0}).json()
+        assert "Paris" in greedy["choices"][0]["message"]["content"]
 
 
 def test_native_generate_takes_the_defaults_too(auto: Server) -> None:
