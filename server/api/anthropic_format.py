@@ -33,6 +33,7 @@ from server.api.protocol_anthropic import (
     StopReason,
     TextBlock,
     TextOut,
+    ThinkingOut,
     ToolChoice,
     ToolResultBlock,
     ToolUseBlock,
@@ -69,6 +70,8 @@ def _turn(m: MessageIn) -> list[ChatMessage]:
     for b in m.content:
         if isinstance(b, ToolUseBlock):
             raise APIError(400, "tool_use blocks belong in assistant turns", param="messages")
+        if not isinstance(b, TextBlock | ToolResultBlock):
+            raise APIError(400, f"{b.type} blocks belong in assistant turns", param="messages")
         if isinstance(b, TextBlock):
             texts.append(b.text)
             continue
@@ -132,9 +135,11 @@ def tool_use_block(call: ToolCall) -> ToolUseOut:
     return ToolUseOut(id=tool_use_id(call), name=call.name, input=args if isinstance(args, dict) else {})
 
 
-def content_blocks(text: str | None, calls: Sequence[ToolCall]) -> list[ContentBlockOut]:
-    """Text first, then tool uses; a reasoning parser puts its thinking block ahead of these."""
-    blocks: list[ContentBlockOut] = [TextOut(text=text)] if text else []
+def content_blocks(text: str | None, calls: Sequence[ToolCall], thinking: str | None = None) -> list[ContentBlockOut]:
+    """The thinking block (a reasoning parser's, when it read any), then text, then tool uses."""
+    blocks: list[ContentBlockOut] = [ThinkingOut(thinking=thinking)] if thinking else []
+    if text:
+        blocks.append(TextOut(text=text))
     blocks.extend(tool_use_block(c) for c in calls)
     return blocks
 

@@ -3,6 +3,8 @@
 `message_start` (once the prompt is prefilled, so its usage carries the prefix cache's hit), `ping`, then per
 content block `content_block_start` / `content_block_delta`s (`text_delta`, or one `input_json_delta` with a
 tool call's whole input) / `content_block_stop`, then `message_delta` (stop_reason, usage) and `message_stop`.
+With a reasoning parser the model's reasoning comes first, as a thinking block (`thinking_delta`s, then an empty
+`signature_delta` before its stop, as Anthropic sends it); tool calls are read from the answer only.
 Every event has an `event:` line naming its type. An error after the 200 is an `event: error` in Anthropic's
 error shape, and ends the stream.
 """
@@ -18,6 +20,7 @@ from typing import Any
 from server.api.anthropic_format import stop_reason, tool_use_block
 from server.api.errors import anthropic_error_body, known_error
 from server.api.generation import TaggedOutputs
+from server.api.reasoning import ReasoningParser, Start
 from server.api.tool_parsers import ToolCall, ToolParser, ToolStream
 
 log = logging.getLogger("ember.server")
@@ -43,6 +46,8 @@ class MessageSpec:
     stop_sequences: Sequence[str] | None
     parser: ToolParser | None  # reads tool calls out of the text; None: no tools
     parallel: bool  # False: calls after the first are dropped
+    reasoning: Start | None = None  # where the output starts, with a reasoning parser; None: no parser
+    include_reasoning: bool = True  # False (thinking disabled): the reasoning is dropped
 
 
 class _Blocks:
@@ -51,9 +56,28 @@ class _Blocks:
 
     def __init__(self, hold_whitespace: bool) -> None:
         self.index = -1
-        self.open = False
+        self.open = False  # a text block is open
+        self.thinking = False  # the thinking block is open
         self.pending = ""
         self.hold = hold_whitespace
+
+    def thought(self, text: str) -> list[str]:
+        out = []
+        if not self.thinking:
+            self.index, self.thinking = self.index + 1, True
+            out.append(sse({"type": "content_block_start", "index": self.index,
+                            "content_block": {"type": "thinking", "thinking": "", "signature": ""}}))
+        out.append(sse({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": text}}))
+        return out
+
+    def _end_thinking(self) -> list[str]:
+        if not self.thinking:
+            return []
+        self.thinking = False
+        return [sse({"type": "content_block_delta", "index": self.index,
+                     "delta": {"type": "signature_delta", "signature": ""}}),
+                sse({"type": "content_block_stop", "index": self.index})]
 
     def text(self, text: str) -> list[str]:
         if self.open:
@@ -62,17 +86,19 @@ class _Blocks:
         self.pending += text
         if not (self.pending.strip() if self.hold else self.pending):
             return []
+        out = self._end_thinking()
         self.index, self.open = self.index + 1, True
         first, self.pending = self.pending, ""
         start = {"type": "content_block_start", "index": self.index, "content_block": {"type": "text", "text": ""}}
-        return [sse(start), *self.text(first)]
+        return [*out, sse(start), *self.text(first)]
 
     def close(self) -> list[str]:
         self.pending = ""
+        out = self._end_thinking()
         if not self.open:
-            return []
+            return out
         self.open = False
-        return [sse({"type": "content_block_stop", "index": self.index})]
+        return [*out, sse({"type": "content_block_stop", "index": self.index})]
 
     def tool_use(self, call: ToolCall) -> list[str]:
         out = self.close()
@@ -89,6 +115,7 @@ class _Blocks:
 async def message_events(spec: MessageSpec, outputs: TaggedOutputs) -> AsyncGenerator[str, None]:
     blocks = _Blocks(hold_whitespace=spec.parser is not None)
     stream: ToolStream | None = spec.parser.stream() if spec.parser is not None else None
+    thinker = ReasoningParser(spec.reasoning) if spec.reasoning is not None else None
     calls = 0
     started = False
     try:
@@ -103,9 +130,18 @@ async def message_events(spec: MessageSpec, outputs: TaggedOutputs) -> AsyncGene
                         "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
                     yield sse({"type": "ping"})
                 final = out.finish_reason is not None
-                events: list[str | ToolCall] = [out.text] if out.text else []
+                text = out.text
+                if thinker is not None:
+                    thought, text = thinker.feed(text)
+                    if final:
+                        t2, a2 = thinker.finish()
+                        thought, text = thought + t2, text + a2
+                    if thought and spec.include_reasoning:
+                        for e in blocks.thought(thought):
+                            yield e
+                events: list[str | ToolCall] = [text] if text else []
                 if stream is not None:
-                    events = (stream.feed(out.text) if out.text else []) + (stream.finish() if final else [])
+                    events = (stream.feed(text) if text else []) + (stream.finish() if final else [])
                 for ev in events:
                     if isinstance(ev, str):
                         for e in blocks.text(ev):

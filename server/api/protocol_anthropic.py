@@ -33,8 +33,22 @@ class ToolResultBlock(_Request):
     is_error: bool | None = None
 
 
-# Anything else (image, document, thinking in a request) is a 400 naming the block type.
-ContentBlockIn = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Request):
+    """A thinking block a client hands back in an assistant turn: accepted and left out of the prompt."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Request):
+    type: Literal["redacted_thinking"]
+    data: str | None = None
+
+
+# Anything else (image, document) is a 400 naming the block type.
+ContentBlockIn = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                           Field(discriminator="type")]
 
 
 class MessageIn(_Request):
@@ -55,6 +69,14 @@ class ToolChoice(_Request):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThinkingConfig(_Request):
+    """`thinking`: "disabled" drops the reasoning from the response; otherwise (and budget_tokens) it is ignored,
+    as a reasoning parser reports whatever the model thinks."""
+
+    type: str
+    budget_tokens: int | None = None
+
+
 class CountTokensRequest(_Request):
     """What renders the prompt: count_tokens takes exactly this; a message request adds generation fields."""
 
@@ -73,9 +95,16 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None  # accepted and ignored (Anthropic's user_id for abuse tracking)
+    thinking: ThinkingConfig | None = None
 
 
 # ---- responses ----------------------------------------------------------------------------------------------
+class ThinkingOut(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # Ember signs nothing; the SDKs expect the field
+
+
 class TextOut(BaseModel):
     type: Literal["text"] = "text"
     text: str
@@ -88,8 +117,8 @@ class ToolUseOut(BaseModel):
     input: dict[str, Any]
 
 
-# A reasoning parser's thinking block goes first in this list when there is one (a ThinkingOut joins the union).
-ContentBlockOut = TextOut | ToolUseOut
+# A reasoning parser's thinking block goes first in this list when there is one.
+ContentBlockOut = ThinkingOut | TextOut | ToolUseOut
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 

@@ -2,8 +2,10 @@
 
 A request is mapped onto a chat completion request (server/api/anthropic_format.py) and goes through the chat
 route's own steps: tool planning (template tools, parser, forced-call grammar), the chat template, sampling
-parameters, admission. So a prompt renders, and a tool call is forced and parsed, exactly as in chat. Errors on
-these routes are in Anthropic's shape (server/api/errors.py).
+parameters, admission. So a prompt renders, and a tool call is forced and parsed, exactly as in chat. With a
+reasoning parser (server/api/reasoning.py) the reasoning is a `thinking` block ahead of the answer's blocks (none
+with `thinking: {"type": "disabled"}`), a forced call constrains the answer only, and calls are read from it.
+Errors on these routes are in Anthropic's shape (server/api/errors.py).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from server.api.protocol_anthropic import (
     MessagesRequest,
     Usage,
 )
-from server.api.routes_chat import _plan
+from server.api.reasoning import CLOSE, ReasoningParser, grammar_prefix, prompt_start
+from server.api.routes_chat import _plan, reasoning_parser_for
 from server.api.routes_openai import collect, streams
 from server.api.sse import HEADERS, EventStreamResponse
 from server.api.state import ServerState
@@ -36,43 +39,53 @@ from server.api.structured import compile_grammar
 router = APIRouter()
 
 
-async def _prompt(state: ServerState, body: CountTokensRequest) -> tuple[ChatCompletionRequest, ToolPlan, list[int]]:
-    """(the chat request, its tool plan, prompt ids), rendered as chat renders them. Raises APIError (400/404)."""
+async def _prompt(state: ServerState,
+                  body: CountTokensRequest) -> tuple[ChatCompletionRequest, ToolPlan, list[int], str]:
+    """(the chat request, its tool plan, prompt ids, prompt text), rendered as chat renders them. Raises APIError
+    (400/404)."""
     log_ignored(body)
     check_model(state, body.model)
     chat = as_chat_request(body)
     plan = await _plan(state, chat)
-    prompt, _ = await in_tokenizer_thread(state, render_chat_prompt, state.core.tokenizer, plan.messages, True,
-                                          plan.template_tools, None)
-    return chat, plan, prompt
+    prompt, text = await in_tokenizer_thread(state, render_chat_prompt, state.core.tokenizer, plan.messages, True,
+                                             plan.template_tools, None)
+    return chat, plan, prompt, text
 
 
 @router.post("/v1/messages/count_tokens", response_model=None)
 async def count_tokens(body: CountTokensRequest, request: Request) -> CountTokensResponse:
-    _, _, prompt = await _prompt(get_state(request), body)
+    _, _, prompt, _ = await _prompt(get_state(request), body)
     return CountTokensResponse(input_tokens=len(prompt))
 
 
 @router.post("/v1/messages", response_model=None)
 async def create_message(body: MessagesRequest, request: Request) -> Response | MessageResponse:
     state = get_state(request)
-    chat, plan, prompt = await _prompt(state, body)
+    chat, plan, prompt, prompt_text = await _prompt(state, body)
+    start = prompt_start(prompt_text) if reasoning_parser_for(state) is not None else None
+    include = body.thinking is None or body.thinking.type != "disabled"
+    grammar = plan.grammar
+    if grammar is not None and start is not None and CLOSE not in grammar.source:  # as chat: the answer only
+        grammar = replace(grammar, prefix=grammar_prefix(start))
     params = sampling_params(chat, body.max_tokens, logprobs=False, top_logprobs=0, max_n=state.settings.max_n,
-                             grammar=plan.grammar, defaults=sampling_defaults(state))
+                             grammar=grammar, defaults=sampling_defaults(state))
     if plan.keep_special_tokens:
         params = replace(params, skip_special_tokens=False)
-    await compile_grammar(state, plan.grammar)
+    await compile_grammar(state, grammar)
     check_admission(state, [prompt], params)
     message_id = f"msg_{uuid.uuid4().hex}"
     outputs = streams(state, message_id, [prompt], params)
     parallel = chat.parallel_tool_calls is not False
     if body.stream:
-        spec = MessageSpec(message_id, state.model_name, len(prompt), body.stop_sequences, plan.parser, parallel)
+        spec = MessageSpec(message_id, state.model_name, len(prompt), body.stop_sequences, plan.parser, parallel,
+                           start, include)
         return EventStreamResponse(message_events(spec, outputs), headers=HEADERS)
     r = (await unless_disconnected(request, collect(outputs, 1, 1)))[0]
-    text, calls = message_parts(plan.parser, r.text, parallel)
+    thought, answer = (None, r.text) if start is None else ReasoningParser(start).split(r.text)
+    text, calls = message_parts(plan.parser, answer, parallel)  # tool calls are read from the answer only
     reason, sequence = stop_reason(r.finish_reason, r.stop_reason, body.stop_sequences, bool(calls))
-    return MessageResponse(id=message_id, model=state.model_name, content=content_blocks(text, calls),
+    blocks = content_blocks(text, calls, thought if include else None)
+    return MessageResponse(id=message_id, model=state.model_name, content=blocks,
                            stop_reason=reason, stop_sequence=sequence,
                            usage=Usage(input_tokens=len(prompt) - r.cached_tokens, output_tokens=r.completion_tokens,
                                        cache_read_input_tokens=r.cached_tokens))

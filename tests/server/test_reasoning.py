@@ -1,7 +1,9 @@
 """Reasoning in chat (server/api/reasoning.py) on real servers: tiny random models with a DeepSeek-R1-distill
 style template (the generation prompt opens the think block) and a Qwen3 style one (the output opens it;
 `enable_thinking: false` renders a closed empty block). A random model writes the think block only when forced,
-so the outputs go through a guided_regex that spells out `</think>` (such a constraint is applied as written)."""
+so the outputs go through a guided_regex that spells out `</think>` (such a constraint is applied as written).
+The Messages route (anthropic SDK) has no guided_regex: there the R1 template's outputs, cut off by max_tokens, are
+all reasoning, and every case is checked against chat's split of the same greedy output."""
 from __future__ import annotations
 
 import json
@@ -9,11 +11,12 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
 
-from server_harness import TINY_CONTEXT, Server, http_client, openai_client, tiny_server
+from server_harness import API_KEY, TINY_CONTEXT, Server, http_client, openai_client, tiny_server
 
 # From the R1 distills' published template: the generation prompt ends with <｜Assistant｜><think>\n.
 R1_TEMPLATE = (
@@ -183,3 +186,89 @@ def test_tool_calls_are_read_from_the_answer_only(r1: Server) -> None:
         for c in chunk.choices:
             streamed += [t.function.arguments or "" for t in c.delta.tool_calls or [] if t.function]
     assert json.loads("".join(streamed)) == {"city": "Paris"}
+
+
+def _anthropic(server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _blocks(content: list[Any]) -> list[tuple[str, Any]]:
+    """(type, payload) per content block: thinking text (signature checked empty), text, or tool name and input."""
+    out: list[tuple[str, Any]] = []
+    for b in content:
+        if b.type == "thinking":
+            assert b.signature == ""
+            out.append(("thinking", b.thinking))
+        elif b.type == "text":
+            out.append(("text", b.text))
+        else:
+            out.append((b.type, (b.name, b.input)))
+    return out
+
+
+def _chat_blocks(server: Server, max_tokens: int, **kw: Any) -> list[tuple[str, Any]]:
+    """Chat's greedy output of the same prompt as the blocks the Messages route should send."""
+    message = openai_client(server).chat.completions.create(model="tiny-llama", messages=ASK, temperature=0,
+                                                            max_tokens=max_tokens, **kw).choices[0].message
+    out: list[tuple[str, Any]] = []
+    if getattr(message, "reasoning_content", None):
+        out.append(("thinking", message.reasoning_content))  # type: ignore[attr-defined]
+    if message.content:
+        out.append(("text", message.content))
+    out += [("tool_use", (c.function.name, json.loads(c.function.arguments))) for c in message.tool_calls or []]
+    return out
+
+
+def _anthropic_stream(server: Server, **kw: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+    """(the streamed message's blocks, the content events as `type` or `type:delta type`) through the SDK."""
+    client, kinds = _anthropic(server), []
+    with client.messages.stream(model="tiny-llama", messages=ASK, **kw) as stream:  # type: ignore[arg-type]
+        for ev in stream:
+            if ev.type.startswith("content_block"):
+                kinds.append(ev.type + (":" + ev.delta.type if ev.type == "content_block_delta" else ""))
+        final = stream.get_final_message()
+    return _blocks(final.content), kinds
+
+
+def _messages(server: Server, max_tokens: int, **kw: Any) -> Any:
+    extra = {"temperature": 0, **kw.pop("extra_body", {})}
+    return _anthropic(server).messages.create(model="tiny-llama", messages=ASK,  # type: ignore[arg-type]
+                                              max_tokens=max_tokens, extra_body=extra, **kw)
+
+
+def test_messages_thinking_block_is_chats_reasoning(r1: Server) -> None:
+    expected = _chat_blocks(r1, 12)
+    assert [k for k, _ in expected] == ["thinking"] and expected[0][1]  # cut off inside the reasoning
+    out = _messages(r1, 12)
+    assert _blocks(out.content) == expected and out.stop_reason == "max_tokens"
+    assert out.usage.output_tokens == 12
+    streamed, kinds = _anthropic_stream(r1, max_tokens=12, extra_body={"temperature": 0})
+    assert streamed == expected
+    assert kinds[0] == "content_block_start" and kinds[-2:] == ["content_block_delta:signature_delta",
+                                                                 "content_block_stop"]
+    assert set(kinds[1:-2]) == {"content_block_delta:thinking_delta"}
+
+
+def test_messages_thinking_disabled_drops_it(r1: Server) -> None:
+    off = {"thinking": {"type": "disabled"}}
+    assert _messages(r1, 12, extra_body=off).content == []
+    assert _anthropic_stream(r1, max_tokens=12, extra_body={"temperature": 0, **off}) == ([], [])
+
+
+ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
+
+
+def test_messages_forced_tool_use_lets_the_reasoning_run_first(r1: Server) -> None:
+    """tool_choice any constrains the answer only, as chat's required does: the same reasoning, no call yet."""
+    expected = _chat_blocks(r1, 16, tools=TOOLS, tool_choice="required")
+    assert [k for k, _ in expected] == ["thinking"]
+    kw: dict[str, Any] = {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"}}
+    assert _blocks(_messages(r1, 16, **kw).content) == expected
+    assert _anthropic_stream(r1, max_tokens=16, extra_body={"temperature": 0}, **kw)[0] == expected
+
+
+def test_messages_qwen3_blocks_are_chats_split(qwen3: Server) -> None:
+    """Whether or not the greedy output opens a think block, the blocks are chat's reasoning and content."""
+    expected = _chat_blocks(qwen3, 24)
+    assert _blocks(_messages(qwen3, 24).content) == expected
+    assert _anthropic_stream(qwen3, max_tokens=24, extra_body={"temperature": 0})[0] == expected
