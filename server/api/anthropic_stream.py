@@ -132,10 +132,7 @@ async def message_events(spec: MessageSpec, outputs: TaggedOutputs) -> AsyncGene
                 final = out.finish_reason is not None
                 text = out.text
                 if thinker is not None:
-                    thought, text = thinker.feed(text)
-                    if final:
-                        t2, a2 = thinker.finish()
-                        thought, text = thought + t2, text + a2
+                    thought, text = thinker.feed(text, last=final)
                     if thought and spec.include_reasoning:
                         for e in blocks.thought(thought):
                             yield e

@@ -123,11 +123,7 @@ def chat_events(spec: StreamSpec, outputs: TaggedOutputs, strings: TokenStrings,
         """(reasoning, answer) of new text of a choice."""
         assert reasoning is not None
         parser = thinkers.setdefault(index, ReasoningParser(reasoning.start))
-        r, a = parser.feed(text)
-        if final:
-            r2, a2 = parser.finish()
-            r, a = r + r2, a + a2
-        return r, a
+        return parser.feed(text, last=final)
 
     frame = ChunkFrame(spec.request_id, "chat.completion.chunk", spec.created, spec.model, spec.include_usage)
 

@@ -65,8 +65,13 @@ class ReasoningParser:
         self._state = {Start.MAYBE: "lead", Start.REASONING: "reasoning", Start.ANSWER: "answer_lead"}[start]
         self._held = ""  # text not yet decided: a possible tag, or leading whitespace
 
-    def feed(self, delta: str) -> tuple[str, str]:
-        """(reasoning delta, answer delta) for new output text."""
+    def feed(self, delta: str, last: bool = False) -> tuple[str, str]:
+        """(reasoning delta, answer delta) for new output text; `last`: the output ends here, so nothing is held
+        back (what `finish` releases is included)."""
+        if last:
+            r1, a1 = self.feed(delta)
+            r2, a2 = self.finish()
+            return r1 + r2, a1 + a2
         reasoning, answer = [], []
         text, self._held = self._held + delta, ""
         while text:
@@ -109,9 +114,7 @@ class ReasoningParser:
 
     def split(self, text: str) -> tuple[str, str]:
         """(reasoning, answer) of a whole output."""
-        r1, a1 = self.feed(text)
-        r2, a2 = self.finish()
-        return r1 + r2, a1 + a2
+        return self.feed(text, last=True)
 
 
 def grammar_prefix(start: Start) -> str | None:

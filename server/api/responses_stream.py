@@ -190,10 +190,7 @@ async def response_events(turn: Turn, outputs: TaggedOutputs, parser: ToolParser
                 completion, cached, reason = out.completion_tokens, out.cached_tokens, out.finish_reason
                 text = out.text
                 if thinker is not None:
-                    r, text = thinker.feed(text)
-                    if final:
-                        r2, a2 = thinker.finish()
-                        r, text = r + r2, text + a2
+                    r, text = thinker.feed(text, last=final)
                     thought.append(r)
                     if text or final:
                         for e in reasoning_events():
