@@ -28,9 +28,10 @@ T = TypeVar("T")
 TaggedOutputs = AsyncGenerator[tuple[int, RequestOutput], None]
 
 
-def check_admission(state: ServerState, prompts: Sequence[list[int]], params: SamplingParams) -> None:
+def check_admission(state: ServerState, prompts: Sequence[list[int]], params: SamplingParams | None) -> None:
     """Everything that would make the engine refuse these prompts, checked before a response has started, so
-    a streaming request gets a proper 400 / 503 instead of an error event after its 200.
+    a streaming request gets a proper 400 / 503 instead of an error event after its 200. params None: the
+    prompts are embedding inputs.
 
     Raises APIError (503) or SamplingParamsError (400 through its handler).
     """
@@ -40,7 +41,10 @@ def check_admission(state: ServerState, prompts: Sequence[list[int]], params: Sa
     if not state.engine.ready:
         raise unavailable("the engine is still loading", retry)
     for ids in prompts:
-        state.engine.validate(ids, params)
+        if params is None:
+            state.core.validate_embedding(ids)
+        else:
+            state.engine.validate(ids, params)
     try:
         state.engine.check_capacity(len(prompts))
     except QueueFullError as exc:

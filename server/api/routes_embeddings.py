@@ -17,10 +17,9 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.client import QueueFullError
 from server.api.deps import check_model, get_state
-from server.api.errors import APIError, unavailable
-from server.api.generation import unless_disconnected
+from server.api.errors import APIError
+from server.api.generation import check_admission, unless_disconnected
 from server.api.prompts import encode, in_tokenizer_thread
 
 router = APIRouter()
@@ -84,23 +83,13 @@ def _shape(vector: tuple[float, ...], dimensions: int | None, encoding: str) -> 
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
     state = get_state(request)
     check_model(state, body.model)
-    retry = state.settings.retry_after_seconds
-    if state.draining:
-        raise unavailable("the server is shutting down", retry)
-    if not state.engine.ready:
-        raise unavailable("the engine is still loading", retry)
     hidden = state.engine.info.hidden_size
     if body.dimensions is not None and body.dimensions > hidden:
         raise APIError(400, f"dimensions must be at most {hidden}, this model's embedding size", param="dimensions",
                        code="invalid_value")
     tok = state.core.tokenizer
     prompts = [await in_tokenizer_thread(state, encode, tok, x) if isinstance(x, str) else x for x in _inputs(body)]
-    for ids in prompts:
-        state.core.validate_embedding(ids)  # SamplingParamsError -> 400 (its handler)
-    try:
-        state.engine.check_capacity(len(prompts))
-    except QueueFullError as exc:
-        raise unavailable(f"{exc}; retry later", retry) from None
+    check_admission(state, prompts, None)  # SamplingParamsError -> 400 (its handler), 503s
     request_id = f"embd-{uuid.uuid4().hex}"
     state.begin(request_id, len(prompts))
     try:
