@@ -123,7 +123,8 @@ class EngineClient:
         final: RequestOutput | None = None
         async for out in self._run(request_id, [req]):
             final = out
-        assert final is not None and final.embedding is not None
+        if final is None or final.embedding is None:  # aborted (a drain's grace period ran out)
+            raise EngineDeadError("the embedding request was aborted")
         return final
 
     async def _run(self, request_id: str, reqs: list[Request]) -> AsyncGenerator[RequestOutput, None]:
