@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
+SPECULATIVE_MODES: tuple[str, ...] = ("ngram", "off")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class EngineConfig:
     # (sentence-transformers' 1_Pooling/config.json: last token for decoder embedding models such as
     # Qwen3-Embedding), else mean (engine/loader/pooling.py)
     pooling: str = "auto"
+    # Speculative decoding (engine/speculative.py): ngram = prompt-lookup drafts, verified in the decode batch's
+    # own compiled step, drafted only when the measured step times and acceptance say it pays; off = one token per
+    # step. num_speculative_tokens caps a request's drafts per step.
+    speculative: str = "ngram"
+    num_speculative_tokens: int = 7
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32"):
@@ -52,6 +58,10 @@ class EngineConfig:
             raise ValueError("mem_fraction must be in (0, 1)")
         if self.pooling not in ("auto", "mean", "last"):
             raise ValueError(f"pooling must be auto, mean or last, got {self.pooling!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 31:
+            raise ValueError("num_speculative_tokens must be in [1, 31]")
         if self.chunked_prefill_size < 16:
             raise ValueError("chunked_prefill_size must be at least 16")
 

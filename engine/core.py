@@ -23,6 +23,7 @@ from engine.request import Pooling, Request
 from engine.output_processor import OutputProcessor, take_output
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
+from engine.speculative import Speculator
 from engine.stop import StopChecker
 
 log = logging.getLogger("ember.engine")
@@ -45,9 +46,14 @@ class EngineCore:
         prefix_cache = not config.disable_prefix_cache and self.runner.window_pool is None
         self.kvm = KVManager(self.runner.kv_pool, self.runner.req_pool, prefix_cache=prefix_cache)
         mc = self.model_config
-        self.outputs = OutputProcessor(self.kvm, mc.eos_token_ids, mc.vocab_size, self.max_context)
+        # Drafts are verified as extra decode rows of their request; a sliding-window layer's ring would let a later
+        # draft overwrite the position a window back that an earlier row still reads, so window models do not draft.
+        graphs = self.runner.graphs
+        self.speculator = (Speculator(graphs.buckets, lambda b: b in graphs.fns, config.num_speculative_tokens)
+                           if config.speculative != "off" and self.runner.window_pool is None else None)
+        self.outputs = OutputProcessor(self.kvm, mc.eos_token_ids, mc.vocab_size, self.max_context, self.speculator)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
-        self.scheduler = Scheduler(self.kvm, self.outputs, config)
+        self.scheduler = Scheduler(self.kvm, self.outputs, config, self.speculator)
         self.pooling: Pooling = model_pooling(config.model, config.pooling)
 
     def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,

@@ -6,7 +6,9 @@ step takes them in, engine/decode_graphs.py). Two kinds:
 
 - prefill: a chunk of prompt tokens of each of N requests, tokens of all requests concatenated (T tokens in all);
   the logits are those of each chunk's last token.
-- decode: one new token for each of B requests (T = N = B).
+- decode: one new token for each of B requests (T = N = B); or, verifying speculative drafts
+  (engine/speculative.py), request i's last token and its k_i drafts as 1 + k_i consecutive rows on its request
+  row (T = N + sum k_i), whose logits are all returned.
 
 Padded decode rows (a bucket larger than the batch) use request row 0, KV slot 0 and sequence length 1
 (engine/pools.py keeps row 0 and slot 0 as scratch).
@@ -58,10 +60,16 @@ class ForwardBatch:
     reqs: tuple[Request, ...] = ()
     chunk_lens: tuple[int, ...] = ()
     completes: tuple[bool, ...] = ()
+    # decode: each request's draft tokens verified by this step (all empty, or (): plain decode)
+    drafts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
+
+    @property
+    def verifies(self) -> bool:
+        return any(self.drafts)
 
     @property
     def num_rows(self) -> int:
@@ -80,11 +88,12 @@ class ForwardBatch:
     @classmethod
     def decode(cls, input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor, out_slots: torch.Tensor,
                seq_lens: torch.Tensor | None = None, req_to_token: torch.Tensor | None = None,
-               reqs: tuple[Request, ...] = ()) -> ForwardBatch:
+               reqs: tuple[Request, ...] = (), drafts: tuple[tuple[int, ...], ...] = ()) -> ForwardBatch:
         """A decode batch: token `input_ids[i]` sits at `positions[i]` of request row `req_rows[i]` and writes its
         K/V into `out_slots[i]`; seq_lens defaults to positions + 1 (the token sees its whole request)."""
         return cls(ForwardMode.DECODE, input_ids, positions, req_rows, out_slots,
-                   seq_lens=positions + 1 if seq_lens is None else seq_lens, req_to_token=req_to_token, reqs=reqs)
+                   seq_lens=positions + 1 if seq_lens is None else seq_lens, req_to_token=req_to_token, reqs=reqs,
+                   drafts=drafts)
 
     @classmethod
     def prefill(cls, chunks: list[PrefillChunk], reqs: tuple[Request, ...] = (),

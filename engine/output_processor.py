@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,13 +24,24 @@ from engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from engine.request import ReqStatus, Request
 from engine.grammar.masks import MaskBuffer, apply_masks
 from engine.sampler import SamplingBatch, argmax_rows, sample
+from engine.speculative import Speculator
 
 log = logging.getLogger("ember.engine")
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One row to sample: `req` after `output_ids` (its own, or with drafts appended while verifying them)."""
+
+    req: Request
+    output_ids: list[int]
+
+
 class OutputProcessor:
-    def __init__(self, kvm: KVManager, eos_token_ids: tuple[int, ...], vocab_size: int, max_context: int) -> None:
-        self.kvm = kvm
+    def __init__(self, kvm: KVManager, eos_token_ids: tuple[int, ...], vocab_size: int, max_context: int,
+                 speculator: Speculator | None = None) -> None:
+        self.kvm, self.speculator = kvm, speculator
+        self.appended = 0  # tokens the last processed batch added
         self.eos = frozenset(eos_token_ids)
         self.vocab_size, self.max_context = vocab_size, max_context
         self.masks = MaskBuffer(vocab_size)
@@ -39,7 +51,11 @@ class OutputProcessor:
     def process(self, batch: ForwardBatch, logits: torch.Tensor) -> None:
         """Everything a forward's logits decide. The tokens it computed are in the KV cache now (a prefill's are
         published to the prefix cache, so a finished request leaves them there); rows that get a token are
-        sampled; finished requests release their KV."""
+        sampled; finished requests release their KV. `appended` counts the tokens this batch added."""
+        self.appended = 0
+        if batch.verifies:
+            self._verify(batch, logits)
+            return
         if batch.is_decode:
             for req in batch.reqs:
                 req.kv_len += 1
@@ -56,6 +72,39 @@ class OutputProcessor:
         reqs = [batch.reqs[i] for i in rows]
         self.sample_and_append(reqs, logits if batch.is_decode else logits[rows])
         for req in reqs:
+            if req.finished:
+                self.kvm.release(req)
+
+    def _verify(self, batch: ForwardBatch, logits: torch.Tensor) -> None:
+        """A decode step that verified drafts (engine/speculative.py): row j of a request is sampled exactly as a
+        decode step after its drafts 1..j would be (same processed logits, same seeded draw), and its tokens are
+        kept while they equal the drafts. So the output is what speculation off would produce, seeded draws
+        included, and the distribution of unseeded ones is the model's (a draft is kept with its probability).
+
+        m tokens kept means rows 0..m-1 (the last token and drafts 1..m-1) wrote valid K/V; the rows after them
+        give their slots back now."""
+        views: list[_Row] = []
+        for req, drafts in zip(batch.reqs, batch.drafts):
+            views += [_Row(req, req.output_ids + list(drafts[:j])) for j in range(len(drafts) + 1)]
+        drawn = self._draw(views, logits)
+        now, start = time.monotonic(), 0
+        for req, drafts in zip(batch.reqs, batch.drafts):
+            kept = matched = 0
+            for j in range(len(drafts) + 1):
+                token, lp = drawn[start + j]
+                self._append(req, token, lp, now)
+                kept += 1
+                matched += j < len(drafts) and token == drafts[j]
+                if req.finished or j == len(drafts) or token != drafts[j]:
+                    break
+            req.kv_len += kept
+            rejected = batch.out_slots[start + kept : start + len(drafts) + 1]
+            if rejected.numel():
+                self.kvm.kv.free(rejected)
+            if drafts and self.speculator is not None:
+                self.speculator.verified(req, len(drafts), matched)
+            self.appended += kept
+            start += len(drafts) + 1
             if req.finished:
                 self.kvm.release(req)
 
@@ -78,34 +127,38 @@ class OutputProcessor:
                 self.finish(req, "stop")
                 self.kvm.release(req)
 
-    def _banned(self, req: Request) -> tuple[int, ...]:
-        if req.matcher is not None or len(req.output_ids) >= req.params.min_tokens:
+    def _banned(self, req: Request, num_output: int) -> tuple[int, ...]:
+        if req.matcher is not None or num_output >= req.params.min_tokens:
             return ()
         eos = () if req.params.ignore_eos else tuple(self.eos)
         return eos + tuple(req.params.stop_token_ids)
 
     def sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
         now = time.monotonic()
+        for req, (token, lp) in zip(reqs, self._draw([_Row(r, r.output_ids) for r in reqs], logits)):
+            self._append(req, token, lp, now)
+        self.appended += len(reqs)
+
+    def _draw(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
+        """The next token (and its logprob when asked) of each row: a request after `row.output_ids`."""
         logits = logits[:, : self.vocab_size]
-        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if constrained:
+        constrained = [i for i, r in enumerate(rows) if r.req.matcher is not None]
+        if constrained:  # (only rows at their matcher's own state: constrained requests do not draft)
             t0 = time.perf_counter()
-            apply_masks(logits, constrained, self.masks.bias([reqs[i].matcher for i in constrained]))
+            apply_masks(logits, constrained, self.masks.bias([rows[i].req.matcher for i in constrained]))
             self.mask_seconds += time.perf_counter() - t0
             self.masked_rows += len(constrained)
-        banned = [self._banned(r) for r in reqs]
-        if not any(banned) and all(r.params.plain_greedy for r in reqs):
+        banned = [self._banned(r.req, len(r.output_ids)) for r in rows]
+        if not any(banned) and all(r.req.params.plain_greedy for r in rows):
             # The common serving case needs only the argmax: skip building the [B]-tensor sampling batch (its
             # dozen small tensors cost more than the argmax itself).
-            for req, token in zip(reqs, argmax_rows(logits).tolist()):
-                self._append(req, token, None, now)
-            return
+            return [(token, None) for token in argmax_rows(logits).tolist()]
         batch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.output_ids for r in reqs],
-            [r.prompt_ids for r in reqs],
-            [r.seed for r in reqs],
-            [len(r.output_ids) for r in reqs],
+            [r.req.params for r in rows],
+            [r.output_ids for r in rows],
+            [r.req.prompt_ids for r in rows],
+            [r.req.seed for r in rows],
+            [len(r.output_ids) for r in rows],
             self.vocab_size,
             banned=banned,
         )
@@ -114,13 +167,15 @@ class OutputProcessor:
         lps = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        for i, (req, token) in enumerate(zip(reqs, tokens)):
+        out: list[tuple[int, TokenLogprob | None]] = []
+        for i, (row, token) in enumerate(zip(rows, tokens)):
             lp = None
-            if req.params.logprobs and lps is not None:
-                k = req.params.top_logprobs
+            if row.req.params.logprobs and lps is not None:
+                k = row.req.params.top_logprobs
                 top = tuple(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids and top_lps else ()
                 lp = TokenLogprob(token, lps[i], top)
-            self._append(req, token, lp, now)
+            out.append((token, lp))
+        return out
 
     def _append(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
         req.output_ids.append(token)

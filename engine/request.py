@@ -47,6 +47,7 @@ class Request:
     # chunk for "mean") into `pooled` and it finishes when the prompt is done, with `embedding` (L2-normalised).
     pooling: Pooling | None = None
     pooled: Any = None  # torch.Tensor [hidden] fp32, engine thread only
+    spec: Any = None  # engine/speculative.py SpecState once the request has drafted (engine thread only)
     embedding: tuple[float, ...] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

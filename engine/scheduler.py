@@ -25,6 +25,7 @@ from engine.kv_manager import KVManager
 from engine.output_processor import OutputProcessor
 from engine.radix_cache import common_len
 from engine.request import ReqStatus, Request
+from engine.speculative import Speculator
 
 log = logging.getLogger("ember.scheduler")
 
@@ -63,8 +64,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kvm: KVManager, outputs: OutputProcessor, config: EngineConfig) -> None:
+    def __init__(self, kvm: KVManager, outputs: OutputProcessor, config: EngineConfig,
+                 speculator: Speculator | None = None) -> None:
         self.kvm, self.outputs, self.config = kvm, outputs, config
+        self.speculator = speculator
         self.req_pool = kvm.req_pool
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted; prompt (or recompute) partly in the cache
@@ -113,7 +116,9 @@ class Scheduler:
         if batch.is_decode:
             self._last_decode_s = seconds
             self.stats.decode_steps += 1
-            self.stats.generation_tokens += len(batch.reqs)
+            self.stats.generation_tokens += self.outputs.appended
+            if self.speculator is not None:
+                self.speculator.planner.observe(batch.num_rows, seconds)
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
             self.running = [r for r in self.running if not r.finished]
             log.debug("decode %d requests: %.1f ms", len(batch.reqs), seconds * 1e3)
@@ -230,17 +235,35 @@ class Scheduler:
                 return None
             self._touched.append(self._retract(self.running[-1]))
         batch = self.running
-        slots = self.kvm.allocate(len(batch))
-        assert slots is not None  # ensured by the loop above
-        positions = torch.tensor([r.fill_len - 1 for r in batch], dtype=torch.int64)
+        drafts: list[tuple[int, ...]] = []
+        if self.speculator is not None:
+            room = min(self.kvm.headroom(), self.config.buckets[-1]) - len(batch)
+            drafts = self.speculator.drafts(batch, room)
+        if not any(drafts):
+            slots = self.kvm.allocate(len(batch))
+            assert slots is not None  # ensured by the loop above
+            positions = torch.tensor([r.fill_len - 1 for r in batch], dtype=torch.int64)
+            return ForwardBatch.decode(
+                input_ids=torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64),
+                positions=positions,
+                req_rows=torch.tensor([r.req_row for r in batch], dtype=torch.int64),
+                seq_lens=positions + 1,
+                out_slots=slots,
+                reqs=tuple(batch),
+            )
+        # Verification: each request's last token and its drafts, consecutive rows on its own request row.
+        ids, pos, rows = [], [], []
+        for r, d in zip(batch, drafts):
+            ids += [r.output_ids[-1], *d]
+            pos += range(r.fill_len - 1, r.fill_len + len(d))
+            rows += [r.req_row] * (1 + len(d))
+        slots = self.kvm.allocate(len(ids))
+        assert slots is not None  # the drafts were fitted to the headroom
+        positions = torch.tensor(pos, dtype=torch.int64)
         return ForwardBatch.decode(
-            input_ids=torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64),
-            positions=positions,
-            req_rows=torch.tensor([r.req_row for r in batch], dtype=torch.int64),
-            seq_lens=positions + 1,
-            out_slots=slots,
-            reqs=tuple(batch),
-        )
+            input_ids=torch.tensor(ids, dtype=torch.int64), positions=positions,
+            req_rows=torch.tensor(rows, dtype=torch.int64), seq_lens=positions + 1, out_slots=slots,
+            reqs=tuple(batch), drafts=tuple(drafts))
 
     # ---- KV bookkeeping -------------------------------------------------------------------------------
     def _retract(self, req: Request) -> Request:

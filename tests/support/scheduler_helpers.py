@@ -20,10 +20,14 @@ from engine.sampling_params import SamplingParams
 
 
 def tiny_engine(folder: Path, **overrides: Any) -> EngineCore:
-    """An fp32 eager engine over a tiny model: small chunks so 20-60 token prompts are prefilled in pieces."""
+    """An fp32 eager engine over a tiny model: small chunks so 20-60 token prompts are prefilled in pieces.
+
+    Speculation is off unless asked for: these tests count steps (arrivals, aborts at step numbers), and whether
+    the planner drafts depends on measured step times (tests/engine/test_speculative.py pins them)."""
     settings: dict[str, Any] = dict(
         model=str(folder), dtype="float32", max_total_tokens=4096, max_running_requests=8,
         decode_buckets=(1, 2, 4, 8), disable_compile=True, chunked_prefill_size=16, num_threads=1,
+        speculative="off",
     )
     settings.update(overrides)
     return EngineCore(EngineConfig(**settings))

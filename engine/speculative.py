@@ -1,0 +1,196 @@
+"""Speculative decoding by prompt lookup (n-gram drafts), verified for the whole decode batch in one forward.
+
+A decode step reads every weight once for one token per request; at small batch that pass is memory-bound, so
+checking k proposed tokens in the same pass costs little more than one. Each running request proposes the
+continuation of the latest earlier occurrence of its last n tokens in its own prompt and output (n from MAX_NGRAM
+down to MIN_NGRAM; no second model, no extra memory beyond an index of its n-grams).
+
+Verification is an ordinary compiled decode step: request r contributes rows for its last token and its k drafts
+at positions L-1 .. L-1+k, all on r's request-to-token row, each with sequence length position + 1. The attention
+op writes every row's K/V before any row attends (engine/ops/attention.py), so row j sees exactly the request's
+context plus drafts 1..j: causal attention over drafts with no op of its own. The output processor samples each
+row as the decode step at that position would and keeps tokens while they match the drafts
+(engine/output_processor.py `process_verify`).
+
+Whether drafting pays is decided per step (`DraftPlanner`): the measured seconds of a decode step in each bucket
+and each request's recent acceptance rate give the expected tokens per second of every draft length; the planner
+takes the most. Padding rows of a bucket are free drafts; at high batch a bigger bucket rarely pays, so the
+planner drafts less or not at all, and a request whose drafts keep failing stops drafting (and probes again later).
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+MIN_NGRAM, MAX_NGRAM = 2, 4
+PRIOR_RATE = 0.5  # acceptance rate assumed before a request has verified any draft
+RATE_EMA = 0.3  # weight of the latest verify step in a request's acceptance rate
+# Per step without drafting, a request's rate relaxes this far toward the prior, so one that stopped drafting
+# tries again after a while (its text may have started quoting its prompt).
+RATE_RECOVERY = 0.02
+MAX_RATE = 0.95  # an estimate, never a certainty: keeps the expected gain of long drafts finite
+STEP_TIME_EMA = 0.2
+
+
+class NgramIndex:
+    """The latest occurrence of every n-gram of one request's tokens that has a token after it, and where the last
+    proposal came from.
+
+    Copying text (an edit, a quote) continues where the previous draft left off, while a short n-gram of code
+    or prose recurs in many places: so a proposal first follows on from the previous proposal's source while the
+    tokens since then still match it, and only looks up the longest suffix n-gram when that thread is broken."""
+
+    def __init__(self) -> None:
+        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(MIN_NGRAM, MAX_NGRAM + 1)}
+        self.indexed = 0  # n-grams ending (exclusive) at positions <= indexed are in the maps
+        self.source = -1  # ids[source] was the first token of the last proposal, made when there were `at` ids
+        self.at = 0
+
+    def propose(self, ids: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the current suffix of `ids` earlier in `ids`."""
+        n_ids, last = len(ids), len(ids) - 1  # an n-gram ending at e (exclusive) <= last has a follower ids[e]
+        for end in range(self.indexed + 1, last + 1):
+            for n, m in self.maps.items():
+                if end >= n:
+                    m[tuple(ids[end - n : end])] = end
+        self.indexed = max(self.indexed, last)
+        # The thread from the last proposal, kept when it matches the suffix at least as long as the best lookup.
+        thread = self.source + (n_ids - self.at) if self.source >= 0 else -1
+        thread_len = 0
+        if 0 < thread < n_ids:
+            while thread_len < MAX_NGRAM and thread_len < thread and ids[thread - 1 - thread_len] == ids[-1 - thread_len]:
+                thread_len += 1
+        start = thread if thread_len >= MIN_NGRAM else -1
+        for n in range(min(MAX_NGRAM, n_ids), max(thread_len, MIN_NGRAM - 1), -1):
+            end = self.maps[n].get(tuple(ids[n_ids - n :]))
+            if end is not None:
+                start = end
+                break
+        self.source, self.at = start, n_ids
+        return list(ids[start : start + k]) if start >= 0 else []
+
+
+@dataclass
+class SpecState:
+    """One request's drafting state (engine thread only). Retraction keeps it: the tokens it indexes stay."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    rate: float = PRIOR_RATE
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # of which were accepted
+    verify_steps: int = 0  # steps in which the request verified at least one draft
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.rate = (1 - RATE_EMA) * self.rate + RATE_EMA * accepted / proposed
+            self.proposed += proposed
+            self.accepted += accepted
+            self.verify_steps += 1
+        else:
+            self.rate += (PRIOR_RATE - self.rate) * RATE_RECOVERY
+
+
+@dataclass
+class SpecStats:
+    proposed: int = 0
+    accepted: int = 0
+    verify_steps: int = 0  # request-steps that verified at least one draft
+
+
+class DraftPlanner:
+    """Chooses each request's draft length for one decode step from measured step times and acceptance rates."""
+
+    def __init__(self, buckets: Sequence[int], ready: Callable[[int], bool]) -> None:
+        self.buckets = tuple(sorted(buckets))
+        self.ready = ready  # whether a bucket's compiled step is in (eager steps cost far more: never draft into one)
+        self.step_s: dict[int, float] = {}  # bucket -> EMA seconds of a decode step (forward and outputs)
+
+    def bucket(self, rows: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, rows)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def observe(self, rows: int, seconds: float) -> None:
+        b = self.bucket(rows)
+        if b is not None:
+            old = self.step_s.get(b)
+            self.step_s[b] = seconds if old is None else (1 - STEP_TIME_EMA) * old + STEP_TIME_EMA * seconds
+
+    def cost(self, rows: int) -> float | None:
+        """Seconds of a step of `rows` rows: measured for its bucket, else (to explore it once) that of the largest
+        measured smaller bucket; None when its bucket is not ready or nothing is measured yet."""
+        b = self.bucket(rows)
+        if b is None or not self.ready(b):
+            return None
+        if b in self.step_s:
+            return self.step_s[b]
+        below = [c for c in self.step_s if c < b]
+        return self.step_s[max(below)] if below else None
+
+    def plan(self, rates: Sequence[float], proposals: Sequence[int], budget: int) -> list[int]:
+        """Draft lengths (at most proposals[i], in all at most `budget`) that maximise expected tokens per second.
+
+        Draft j of request i is accepted with probability rate_i ** j (all before it must be), so the expected
+        tokens of a step are sum_i sum_{j <= k_i} rate_i ** j. Adding drafts in order of that gain and keeping the
+        best prefix finds the optimum, since each request's gains fall with j."""
+        base = len(rates)
+        best_cost = self.cost(base)
+        if best_cost is None or budget <= 0:
+            return [0] * base
+        gains = sorted(((min(r, MAX_RATE) ** j, i) for i, r in enumerate(rates) for j in range(1, proposals[i] + 1)),
+                       key=lambda g: -g[0])
+        tokens, best_value, best_n = float(base), base / best_cost, 0
+        for n, (gain, _) in enumerate(gains[:budget], start=1):
+            tokens += gain
+            cost = self.cost(base + n)
+            if cost is None:
+                break
+            if tokens / cost > best_value:
+                best_value, best_n = tokens / cost, n
+        lengths = [0] * base
+        for _, i in gains[:best_n]:
+            lengths[i] += 1
+        return lengths
+
+
+class Speculator:
+    """The scheduler's view of speculation: proposals and draft lengths for a decode batch, and what came of them."""
+
+    def __init__(self, buckets: Sequence[int], ready: Callable[[int], bool], max_draft: int) -> None:
+        self.planner = DraftPlanner(buckets, ready)
+        self.max_draft = max_draft
+        self.stats = SpecStats()
+
+    def drafts(self, batch: Sequence[Request], budget: int) -> list[tuple[int, ...]]:
+        """Each request's drafts for this step (empty: it decodes one token). Grammar-constrained requests do not
+        draft: their masks would have to follow every draft's state."""
+        proposals: list[list[int]] = []
+        for req in batch:
+            if req.matcher is not None:
+                proposals.append([])
+                continue
+            if req.spec is None:
+                req.spec = SpecState()
+            room = req.max_new_tokens - len(req.output_ids) - 1  # the step always adds one token of its own
+            proposals.append(req.spec.index.propose(req.all_ids, min(self.max_draft, room)) if room > 0 else [])
+        if not any(proposals):
+            for req in batch:
+                if req.spec is not None:
+                    req.spec.record(0, 0)
+            return [()] * len(batch)
+        rates = [req.spec.rate if req.spec is not None else 0.0 for req in batch]
+        lengths = self.planner.plan(rates, [len(p) for p in proposals], budget)
+        out = [tuple(p[:k]) for p, k in zip(proposals, lengths)]
+        for req, d in zip(batch, out):
+            if req.spec is not None and not d:
+                req.spec.record(0, 0)
+        return out
+
+    def verified(self, req: Request, proposed: int, accepted: int) -> None:
+        assert req.spec is not None
+        req.spec.record(proposed, accepted)
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
+        self.stats.verify_steps += 1
