@@ -35,6 +35,7 @@ class _Row:
 
     req: Request
     output_ids: list[int]
+    bias: torch.Tensor | None = None  # a draft row's grammar mask (0 / -inf per token), computed ahead
 
 
 class OutputProcessor:
@@ -85,7 +86,8 @@ class OutputProcessor:
         give their slots back now."""
         views: list[_Row] = []
         for req, drafts in zip(batch.reqs, batch.drafts):
-            views += [_Row(req, req.output_ids + list(drafts[:j])) for j in range(len(drafts) + 1)]
+            biases = self._draft_masks(req, drafts) if req.matcher is not None else [None] * (len(drafts) + 1)
+            views += [_Row(req, req.output_ids + list(drafts[:j]), biases[j]) for j in range(len(drafts) + 1)]
         drawn = self._draw(views, logits)
         now, start = time.monotonic(), 0
         for req, drafts in zip(batch.reqs, batch.drafts):
@@ -133,6 +135,20 @@ class OutputProcessor:
         eos = () if req.params.ignore_eos else tuple(self.eos)
         return eos + tuple(req.params.stop_token_ids)
 
+    def _draft_masks(self, req: Request, drafts: tuple[int, ...]) -> list[torch.Tensor]:
+        """The grammar's mask after each prefix of the drafts: the matcher steps through them and rolls back (the
+        kept tokens are consumed again by `_append`). The drafts were cut to what the grammar accepts."""
+        t0 = time.perf_counter()
+        m = req.matcher
+        biases = [self.masks.bias([m])[0]]
+        for token in drafts:
+            ok = m.consume_token(token)
+            assert ok, "a draft the grammar rejects (Speculator.drafts cuts them)"
+            biases.append(self.masks.bias([m])[0])
+        m.rollback(len(drafts))
+        self.mask_seconds += time.perf_counter() - t0
+        return biases
+
     def sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
         now = time.monotonic()
         for req, (token, lp) in zip(reqs, self._draw([_Row(r, r.output_ids) for r in reqs], logits)):
@@ -143,9 +159,13 @@ class OutputProcessor:
         """The next token (and its logprob when asked) of each row: a request after `row.output_ids`."""
         logits = logits[:, : self.vocab_size]
         constrained = [i for i, r in enumerate(rows) if r.req.matcher is not None]
-        if constrained:  # (only rows at their matcher's own state: constrained requests do not draft)
+        if constrained:
             t0 = time.perf_counter()
-            apply_masks(logits, constrained, self.masks.bias([rows[i].req.matcher for i in constrained]))
+            # Rows at their matcher's own state compute their masks here; draft rows brought theirs.
+            live = [i for i in constrained if rows[i].bias is None]
+            computed = iter(self.masks.bias([rows[i].req.matcher for i in live])) if live else iter(())
+            bias = torch.stack([rows[i].bias if rows[i].bias is not None else next(computed) for i in constrained])
+            apply_masks(logits, constrained, bias)
             self.mask_seconds += time.perf_counter() - t0
             self.masked_rows += len(constrained)
         banned = [self._banned(r.req, len(r.output_ids)) for r in rows]
@@ -242,6 +262,8 @@ def take_output(req: Request) -> RequestOutput | None:
         cached_tokens=req.cached_tokens or 0,
         metrics=metrics,
         embedding=req.embedding,
+        spec_proposed=req.spec.proposed if req.spec is not None else 0,
+        spec_accepted=req.spec.accepted if req.spec is not None else 0,
     )
     req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []
     return out

@@ -164,17 +164,17 @@ class Speculator:
         self.stats = SpecStats()
 
     def drafts(self, batch: Sequence[Request], budget: int) -> list[tuple[int, ...]]:
-        """Each request's drafts for this step (empty: it decodes one token). Grammar-constrained requests do not
-        draft: their masks would have to follow every draft's state."""
+        """Each request's drafts for this step (empty: it decodes one token). A grammar-constrained request's
+        proposal is cut where its grammar would reject a token: a draft the mask forbids could never be kept."""
         proposals: list[list[int]] = []
         for req in batch:
-            if req.matcher is not None:
-                proposals.append([])
-                continue
             if req.spec is None:
                 req.spec = SpecState()
             room = req.max_new_tokens - len(req.output_ids) - 1  # the step always adds one token of its own
-            proposals.append(req.spec.index.propose(req.all_ids, min(self.max_draft, room)) if room > 0 else [])
+            proposal = req.spec.index.propose(req.all_ids, min(self.max_draft, room)) if room > 0 else []
+            if proposal and req.matcher is not None:
+                proposal = proposal[: req.matcher.validate_tokens(proposal)]
+            proposals.append(proposal)
         if not any(proposals):
             for req in batch:
                 if req.spec is not None:

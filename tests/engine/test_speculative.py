@@ -169,20 +169,24 @@ def test_stops_lengths_and_logprobs_as_without_speculation(folder: Path) -> None
     assert core.speculator is not None and core.speculator.stats.accepted > 0
 
 
-def test_grammar_constrained_requests_decode_beside_drafting_ones(folder: Path) -> None:
+@pytest.mark.parametrize("pattern", ["(ab|cd){3,10}", "x(yz){2,8}w"])
+def test_grammar_constrained_requests_draft_within_their_grammar(folder: Path, pattern: str) -> None:
+    """Drafts are cut where the grammar would reject them and each draft row is masked by the grammar's state after
+    the drafts before it: output equals speculation off and stays in the language."""
+    import re
+
     from engine.grammar.spec import GrammarSpec
 
-    grammar = GrammarSpec("regex", "(ab|cd){3,6}")
+    params = SamplingParams(temperature=0.0, max_tokens=24, grammar=GrammarSpec("regex", pattern))
     prompts = _repetitive_prompts(3, seed=4)
-    arrivals = [Arrival(0, "g", prompts[0], SamplingParams(temperature=0.0, max_tokens=20, grammar=grammar)),
-                *(Arrival(0, f"r{i}", p, GREEDY) for i, p in enumerate(prompts[1:]))]
+    arrivals = [Arrival(0, "g", prompts[0], params), *(Arrival(0, f"r{i}", p, GREEDY) for i, p in enumerate(prompts[1:]))]
     core = _engine(folder, "ngram")
     on = _run(core, arrivals)
     _same(_run(_engine(folder, "off"), arrivals), on)
-    import re
-
-    assert re.fullmatch("(ab|cd){3,6}", on[("g", 0)].text)
-    assert core.speculator is not None and core.speculator.stats.accepted > 0
+    assert re.fullmatch(pattern, on[("g", 0)].text), on[("g", 0)].text
+    alone = _engine(folder, "ngram")
+    assert _run(alone, [Arrival(0, "g", prompts[0], params)])[("g", 0)].text == on[("g", 0)].text
+    assert alone.speculator is not None and alone.speculator.stats.accepted > 0
 
 
 def test_unseeded_sampling_keeps_the_distribution(folder: Path) -> None:
@@ -215,3 +219,22 @@ def test_unseeded_sampling_keeps_the_distribution(folder: Path) -> None:
         sigma = (2 * p * (1 - p) / total) ** 0.5
         assert abs(on.get(key, 0) / total - p) < 4 * sigma + 0.01, (key, off[key], on.get(key, 0))
     assert core.speculator is not None and core.speculator.stats.accepted > 100
+
+
+def test_compiled_buckets_verify_drafts_like_plain_decode(folder: Path) -> None:
+    """Verification runs in the compiled decode buckets (rows of one request share its table row): the same
+    compiled engine with its speculator switched off gives the same tokens."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    core = _engine(folder, "ngram", disable_compile=False, decode_buckets=(4, 8))
+    prompts = _repetitive_prompts(3, seed=8)
+    arrivals = [Arrival(i, f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    on = _run(core, arrivals)
+    assert core.speculator is not None and core.speculator.stats.accepted > 10
+    assert core.runner.graphs.steps_per_bucket[0] == 0  # (bucket 0: eager steps)
+    speculator, core.scheduler.speculator = core.scheduler.speculator, None
+    try:
+        _same(on, _run(core, arrivals))
+    finally:
+        core.scheduler.speculator = speculator
