@@ -28,3 +28,5 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (0 until admitted)
     metrics: dict[str, float] = field(default_factory=dict)  # on the last output: ttft, e2e, queue time (s)
     embedding: tuple[float, ...] | None = None  # an embedding request's result, on its only output
+    spec_proposed: int = 0  # speculative draft tokens verified for this choice so far
+    spec_accepted: int = 0  # of which were accepted

@@ -32,6 +32,7 @@ class EngineInfo:
     quantized_formats: dict[str, int]  # quantized format -> weights in it
     pooling: Pooling  # how /v1/embeddings pools this model's hidden states
     hidden_size: int  # the embeddings' length
+    speculative: str  # "ngram" or "off" (also off for models that cannot draft: sliding-window layers)
 
     @classmethod
     def of(cls, core: EngineCore) -> EngineInfo:
@@ -44,7 +45,8 @@ class EngineInfo:
                    packed_linear=bool(runner.model.packed), weights_tag=runner.weights_tag,
                    weight_bytes=runner.weight_bytes, file_bytes=runner.file_bytes,
                    quantized_formats=dict(quantized_formats(runner.model)),
-                   pooling=core.pooling, hidden_size=core.model_config.hidden_size)
+                   pooling=core.pooling, hidden_size=core.model_config.hidden_size,
+                   speculative=core.config.speculative if core.speculator is not None else "off")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ class EngineStats:
     # (bucket, how it became ready: "eager", "loaded" from a saved step, "compiled" here, or by the "compile child")
     bucket_sources: tuple[tuple[int, str], ...]
     ready_buckets: tuple[int, ...]
+    # speculative decoding (engine/speculative.py): draft tokens verified, accepted, and request-steps that verified
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -81,6 +87,7 @@ class EngineStats:
         """Read on the engine thread, between steps."""
         sched, kvm, graphs, outputs = core.scheduler, core.kvm, core.runner.graphs, core.outputs
         stats, cache = sched.stats, kvm.stats
+        spec = core.speculator.stats if core.speculator is not None else None
         to_prefill = (sum(r.fill_len for r in sched.waiting)
                       + sum(max(r.fill_len - r.kv_len, 0) for r in sched.prefilling))
         return cls(
@@ -95,4 +102,6 @@ class EngineStats:
             compile_seconds=tuple(sorted(dict(graphs.compile_seconds).items())),
             bucket_sources=tuple(sorted(dict(graphs.sources).items())),
             ready_buckets=tuple(graphs.ready_buckets) if graphs.compiled else (),
+            spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
+            spec_verify_steps=spec.verify_steps if spec else 0,
         )

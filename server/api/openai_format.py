@@ -88,6 +88,8 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cached_tokens: int = 0
+    spec_proposed: int = 0  # speculative draft tokens verified, and accepted (the native API's meta_info)
+    spec_accepted: int = 0
 
     @property
     def text(self) -> str:
@@ -98,6 +100,7 @@ class ChoiceResult:
         self.logprobs.extend(out.logprobs or ())
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.spec_proposed, self.spec_accepted = out.spec_proposed, out.spec_accepted
         if out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 

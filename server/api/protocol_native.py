@@ -56,6 +56,8 @@ class GenerateMeta(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    spec_proposed_tokens: int = 0  # speculative draft tokens verified for this output
+    spec_accepted_tokens: int = 0  # of which were accepted (each saved one decode step)
     finish_reason: dict[str, Any] | None  # {"type": "stop" | "length" | "abort", "matched": str | int | None}
     e2e_latency: float | None = None
     # SGLang's layout: [logprob, token id, token text (null: SGLang's return_text_in_logprobs is off)]

@@ -69,7 +69,8 @@ async def _prompts(state: ServerState, body: GenerateRequest) -> list[list[int]]
 def _result(rid: str, prompt_tokens: int, r: ChoiceResult, ids: list[int], logprobs: bool) -> GenerateResponse:
     finish = None if r.finish_reason is None else {"type": r.finish_reason, "matched": r.stop_reason}
     meta = GenerateMeta(id=rid, prompt_tokens=prompt_tokens, completion_tokens=r.completion_tokens,
-                        cached_tokens=r.cached_tokens, finish_reason=finish)
+                        cached_tokens=r.cached_tokens, finish_reason=finish, spec_proposed_tokens=r.spec_proposed,
+                        spec_accepted_tokens=r.spec_accepted)
     if logprobs:
         meta.output_token_logprobs = [(clamp(lp.logprob), lp.token_id, None) for lp in r.logprobs]
         meta.output_top_logprobs = [[(clamp(v), t, None) for t, v in lp.top] for lp in r.logprobs]

@@ -130,6 +130,10 @@ async def server_info(request: Request) -> dict[str, Any]:
         "sampling_defaults": {**OPENAI_SAMPLING, **sampling_defaults(state)},
         # /v1/embeddings: how hidden states are pooled (--pooling, or the model folder's) and the vectors' length
         "embeddings": {"pooling": info.pooling, "dimensions": info.hidden_size},
+        # Speculative decoding: the drafter ("off" also for models that cannot draft), the draft cap, and so far
+        "speculative": {"mode": info.speculative, "num_speculative_tokens": cfg.num_speculative_tokens,
+                        "proposed_tokens": stats.spec_proposed_tokens, "accepted_tokens": stats.spec_accepted_tokens,
+                        "verify_steps": stats.spec_verify_steps},
         "max_n": settings.max_n,
         "max_request_bytes": settings.max_request_bytes,
         "auth": settings.api_key is not None,

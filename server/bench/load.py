@@ -20,6 +20,7 @@ import httpx
 import psutil
 
 from server.bench.client import RequestResult, RequestSpec, stream_completion
+from server.bench.copy_workloads import copy_prompts
 from server.bench.multiturn import DEFAULTS as MULTI_TURN_DEFAULTS
 from server.bench.multiturn import MultiTurnReport, format_multi_turn, run_multi_turn, write_multi_turn_json
 from server.bench.prompts import PromptError, build_prompts
@@ -52,9 +53,11 @@ def add_load_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     g.add_argument("--json", dest="bench_json", default=None, metavar="FILE", help="also write the report as JSON")
     m = p.add_argument_group("multi-turn workload (server/bench/multiturn.py)")
-    m.add_argument("--workload", choices=["fixed", "multi-turn"], default="fixed",
-                   help="fixed: N clients, distinct P-token prompts; multi-turn: conversations sharing a system "
-                        "prompt, each turn resending the history (default: %(default)s)")
+    m.add_argument("--workload", choices=["fixed", "multi-turn", "edit", "extract"], default="fixed",
+                   help="fixed: N clients, distinct P-token prompts of free text; multi-turn: conversations sharing "
+                        "a system prompt, each turn resending the history; edit / extract: answers mostly copied "
+                        "from the prompt (rewrite code, quote a document: server/bench/copy_workloads.py) "
+                        "(default: %(default)s)")
     for name, doc in (("conversations", "concurrent conversations"), ("turns", "turns per conversation"),
                       ("system_len", "shared system prompt tokens"), ("user_len", "tokens per user message")):
         m.add_argument("--" + name.replace("_", "-"), type=int, default=MULTI_TURN_DEFAULTS[name],
@@ -103,8 +106,12 @@ async def run_load(args: argparse.Namespace) -> BenchReport:
         raise ValueError("--concurrency, --num-requests and --max-tokens must be positive, --warmup-requests >= 0")
     async with http_client(args, n) as client:
         model = args.bench_model or await first_model(client)
-        prompts, source = await build_prompts(client, model, args.prompt_len, warmup + num_requests, args.seed,
-                                              args.vocab_size)
+        if args.workload in ("edit", "extract"):
+            prompts, source = await copy_prompts(client, model, args.workload, args.prompt_len,
+                                                 warmup + num_requests, args.seed)
+        else:
+            prompts, source = await build_prompts(client, model, args.prompt_len, warmup + num_requests, args.seed,
+                                                  args.vocab_size)
         spec = RequestSpec(model, args.max_tokens, args.temperature)
         monitor = ServerMonitor(args.pid)
         monitor.start()

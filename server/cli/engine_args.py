@@ -65,6 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="waiting requests beyond which new ones get 503 (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None, help="torch compute threads (default: all cores)")
+    g.add_argument("--speculative", default="ngram", choices=["ngram", "off"],
+                   help="speculative decoding: ngram drafts the continuation of the latest earlier match of a "
+                        "request's last tokens in its own prompt and output, verified in the decode step, and only "
+                        "when measured step times say it pays (default: %(default)s)")
+    g.add_argument("--num-speculative-tokens", type=int, default=7,
+                   help="most draft tokens a request verifies per step (default: %(default)s)")
     g.add_argument("--pooling", default="auto", choices=["auto", "mean", "last"],
                    help="how /v1/embeddings pools a prompt's final hidden states; auto: the model folder's "
                         "sentence-transformers pooling config (last token for Qwen3-Embedding), else mean "
@@ -86,4 +92,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         compile_cache_dir=args.compile_cache_dir, cpp_wrapper=args.cpp_wrapper,
         chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
         disable_prefix_cache=args.disable_prefix_cache, num_threads=args.num_threads, pooling=args.pooling,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
     )

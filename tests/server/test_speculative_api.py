@@ -1,0 +1,44 @@
+"""Speculative decoding seen from a real server: per-request draft counts in /generate's meta_info, the /metrics
+counters and /get_server_info's settings. That output equals speculation off is the engine tests' business
+(tests/engine/test_speculative.py); here, that what the server reports adds up."""
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from server_harness import Server
+
+
+def _counter(metrics: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)}_total (\S+)$", metrics, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def _generate(http: httpx.Client, ids: list[int], n: int) -> dict:
+    sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    resp = http.post("/generate", json={"input_ids": ids, "sampling_params": sp})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_draft_counts_add_up_across_meta_info_and_metrics(server: Server, http: httpx.Client) -> None:
+    info = http.get("/get_server_info").json()["speculative"]
+    assert info["mode"] == "ngram" and info["num_speculative_tokens"] == 7
+    # A random model's greedy text soon falls into a cycle; a prompt that ends in one gives the drafter material.
+    prompt = [11, 12, 13, 14, 15, 16] * 3
+    for _ in range(2):
+        prompt += _generate(http, prompt, 40)["output_ids"]
+    before = http.get("/metrics").text
+    metas = [_generate(http, prompt, 48)["meta_info"] for _ in range(3)]
+    after = http.get("/metrics").text
+    proposed = sum(m["spec_proposed_tokens"] for m in metas)
+    accepted = sum(m["spec_accepted_tokens"] for m in metas)
+    assert 0 < accepted <= proposed
+    assert all(m["completion_tokens"] == 48 for m in metas)
+    for name, total in (("ember:spec_proposed_tokens", proposed), ("ember:spec_accepted_tokens", accepted)):
+        assert _counter(after, name) - _counter(before, name) == total
+    assert _counter(after, "ember:spec_verify_steps") > _counter(before, "ember:spec_verify_steps")
+    info = http.get("/get_server_info").json()["speculative"]
+    assert info["accepted_tokens"] >= accepted
