@@ -46,8 +46,11 @@ PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ember-pee
 # The -avx2 names run llama.cpp's AVX2-only build: the peer of Ember's AVX2 tier (`--ember-isa avx2`) on any CPU.
 # ember: the bf16 HF folder; ember-q41: the wheel's Q4_1 GGUF in its own formats (the default model, as served by
 # default); ember-q80 / llama-q80[-avx2]: the Q8_0 GGUF made by convert_hf_to_gguf.py --outtype q8_0 (docs/benchmarks.md).
+# Speculative decoding (docs/speculative-decoding.md): ember-q41-nospec is ember-q41 with --speculative off, and
+# llama-q41-ngram is llama-q41 with llama.cpp's prompt-lookup drafting (--spec-type ngram-simple).
 SERVERS = ("ember", "ember-q41", "ember-q80", "llama-bf16", "llama-q41", "llama-q80", "llama-bf16-avx2",
-           "llama-q41-avx2", "llama-q80-avx2", "vllm", "ember-gguf", "llama-gguf", "llama-gguf-avx2")
+           "llama-q41-avx2", "llama-q80-avx2", "vllm", "ember-gguf", "llama-gguf", "llama-gguf-avx2",
+           "ember-q41-nospec", "llama-q41-ngram")
 Q80 = PEERS_DIR / "smollm2" / "q8_0.gguf"
 START_TIMEOUT_S = {"ember": 1200.0, "vllm": 900.0}  # Ember compiles its decode buckets; vLLM warms up too
 POLL_S = 1.0
@@ -107,12 +110,17 @@ def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "au
         return [str(PEERS_DIR / build / "bin" / "llama-server"), "-m", str(GGUF_FILE if "gguf" in name else Q80),
                 "-a", "model", "--host", "127.0.0.1", "--port", str(port), "-t", cores, "-tb", cores, "-np", "32",
                 "-c", "16384", "--no-webui", "--no-repack"]
+    if name == "llama-q41-ngram":
+        cores = str(os.cpu_count() or 1)
+        gguf = PEERS_DIR / "smollm2" / "q4_1.gguf"
+        return [str(PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server"), "-m", str(gguf), "-a", "model", "--host", "127.0.0.1", "--port", str(port), "-t", cores, "-tb", cores, "-np", "32",
+                "-c", "16384", "--no-webui", "--no-repack", "--spec-type", "ngram-simple"]
     if not name.startswith("ember"):
         return [str(PEERS / "start.sh"), name, str(port)]
     hf = PEERS_DIR / "smollm2" / "hf-bf16"
     model = ["--model", str(hf)] if (hf / "model.safetensors").exists() else []  # else the embedded GGUF
-    if name == "ember-q41":
-        model = []  # the embedded Q4_1 GGUF, --quantization auto
+    if name in ("ember-q41", "ember-q41-nospec"):
+        model = [] if name == "ember-q41" else ["--speculative", "off"]  # the embedded Q4_1 GGUF, --quantization auto
     elif name == "ember-q80":
         model = ["--model", str(Q80)]
     elif name == "ember-gguf":
@@ -185,6 +193,8 @@ def bench(name: str, port: int, pid: int, concurrency: int, args: argparse.Names
     cmd = [PY, "-m", "server.cli", "bench", "--base-url", f"http://127.0.0.1:{port}", "--model", "model",
            "--concurrency", str(concurrency), "--prompt-len", str(args.prompt_len), "--max-tokens",
            str(args.max_tokens), "--pid", str(pid), "--label", name, "--json", str(out)]
+    if args.workload in ("edit", "extract"):
+        cmd += ["--workload", args.workload]
     if args.workload == "multi-turn":
         cmd += ["--workload", "multi-turn", "--conversations", str(args.conversations), "--turns", str(args.turns),
                 "--system-len", str(args.system_len), "--user-len", str(args.user_len)]
@@ -210,9 +220,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-load", type=float, default=0.5, help="start when the 1-min load is below (default: %(default)s)")
     p.add_argument("--idle-wait", type=float, default=600.0, help="wait at most this for it, seconds (default: %(default)s)")
     p.add_argument("--skip-setup", action="store_true", help="do not run ../shared/peers/setup.sh first")
-    p.add_argument("--workload", choices=["fixed", "multi-turn"], default="fixed",
+    p.add_argument("--workload", choices=["fixed", "multi-turn", "edit", "extract"], default="fixed",
                    help="multi-turn: `ember bench --workload multi-turn` once per server (--concurrency is ignored; "
-                        "servers get multi-turn sizes, see multi_turn_command) (default: %(default)s)")
+                        "servers get multi-turn sizes, see multi_turn_command); edit / extract: answers copied from "
+                        "the prompt, where speculative decoding pays (default: %(default)s)")
     for name, default in MULTI_TURN_DEFAULTS.items():  # passed through to `ember bench --workload multi-turn`
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help="multi-turn (default: %(default)s)")
     p.add_argument("--ember-dtype", default="auto", choices=["auto", "bfloat16", "float32"],

@@ -82,10 +82,15 @@ class EngineCollector(Collector):
                        stats.grammar_masked_rows)
         yield _gauge("ember:grammar_cache_entries", "Compiled grammars (schemas, regexes, tool formats) cached.",
                      stats.cached_grammars)
-        yield _counter("ember:spec_proposed_tokens", "Speculative draft tokens verified.", stats.spec_proposed_tokens)
-        yield _counter("ember:spec_accepted_tokens", "Speculative draft tokens accepted.", stats.spec_accepted_tokens)
-        yield _counter("ember:spec_verify_steps", "Request-steps that verified drafts (accepted / this = mean "
-                       "accepted length).", stats.spec_verify_steps)
+        if info.speculative != "off":  # one series per drafter (ngram today)
+            for name, doc, value in (
+                    ("proposed_tokens", "Speculative draft tokens verified.", stats.spec_proposed_tokens),
+                    ("accepted_tokens", "Speculative draft tokens accepted.", stats.spec_accepted_tokens),
+                    ("verify_steps", "Request-steps that verified drafts (accepted / this = mean accepted length).",
+                     stats.spec_verify_steps)):
+                family = CounterMetricFamily(f"ember:spec_{name}", doc, labels=["drafter"])
+                family.add_metric([info.speculative], value)
+                yield family
         steps = CounterMetricFamily("ember:decode_steps", "Decode steps run per batch-size bucket.", labels=["bucket"])
         for bucket, n in stats.steps_per_bucket:
             steps.add_metric([str(bucket)], n)

@@ -11,7 +11,7 @@ from server_harness import Server
 
 
 def _counter(metrics: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}_total (\S+)$", metrics, re.M)
+    match = re.search(rf'^{re.escape(name)}_total{{drafter="ngram"}} (\S+)$', metrics, re.M)
     assert match, name
     return float(match.group(1))
 
