@@ -68,8 +68,9 @@ class ReasoningText(BaseModel):
 class ReasoningItem(BaseModel):
     type: Literal["reasoning"] = "reasoning"
     id: str
-    summary: list[Any] = Field(default_factory=list)
+    summary: list[Any] = Field(default_factory=list)  # Ember writes no summaries: the text itself is `content`
     content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 OutputItem = MessageItem | FunctionCallItem | ReasoningItem

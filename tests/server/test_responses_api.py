@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from typing import Literal
 
@@ -276,17 +277,71 @@ def r1(make_tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         yield srv
 
 
+def _reasoning_stream(events: list) -> tuple[list[str], str, str]:
+    """(the reasoning item's event types in order, its deltas joined, its reasoning_text.done text)."""
+    rs_id = next(e.item.id for e in events if e.type == "response.output_item.added" and e.item.type == "reasoning")
+    mine = [e for e in events if getattr(e, "item_id", None) == rs_id or getattr(getattr(e, "item", None), "id", None)
+            == rs_id]
+    deltas = "".join(e.delta for e in mine if e.type == "response.reasoning_text.delta")
+    done = [e.text for e in mine if e.type == "response.reasoning_text.done"]
+    assert len(done) == 1
+    return [e.type for e in mine], deltas, done[0]
+
+
+REASONING_EVENTS = ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                    "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def _collapsed(types: list[str]) -> list[str]:
+    """Event types with runs of deltas written once."""
+    return [t for i, t in enumerate(types) if not (t.endswith(".delta") and i and types[i - 1] == t)]
+
+
 def test_reasoning_is_its_own_item(r1: Server) -> None:
     client = openai_client(r1)
     ask = dict(model=MODEL_NAME, input="Think", max_output_tokens=8, temperature=0)
     whole = client.responses.create(**ask)
     kinds = [item.type for item in whole.output]
     assert kinds == ["reasoning", "message"] and whole.output_text == "", kinds
+    assert whole.output[0].status == "completed" and whole.output[0].summary == []
     thought = whole.output[0].content[0].text
+    assert whole.output[0].content[0].type == "reasoning_text"
     assert thought and "<think>" not in thought
     assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= whole.usage.output_tokens == 8
     events = list(client.responses.create(stream=True, **ask))
     final = events[-1].response
     assert [i.type for i in final.output] == kinds and final.output[0].content[0].text == thought
-    added = [e.item.type for e in events if e.type == "response.output_item.added"]
-    assert added == ["reasoning", "message"]
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == ["reasoning", "message"]
+    assert added[0].status == "in_progress" and not added[0].content
+    types, deltas, done = _reasoning_stream(events)
+    assert _collapsed(types) == REASONING_EVENTS
+    assert types.count("response.reasoning_text.delta") > 1  # streamed as it is written, not whole at the end
+    assert deltas == done == thought
+    assert events[[e.type for e in events].index("response.output_item.done")].item.content[0].text == thought
+
+
+# A string whose pattern spells out </think>, so the grammar is applied as written (test_reasoning.py's way of
+# making a random model close its reasoning): reasoning `"step xx yyy`, then the answer `Paris"`.
+CLOSING = {"type": "json_schema", "name": "closing",
+           "schema": {"type": "string", "pattern": "^step [a-z]{2} [a-z]{3}</think>Paris$"}}
+
+
+def test_reasoning_streams_ahead_of_the_answer(r1: Server) -> None:
+    client = openai_client(r1)
+    ask = dict(model=MODEL_NAME, input="Think", max_output_tokens=64, temperature=0, text={"format": CLOSING})
+    whole = client.responses.create(**ask)
+    assert [i.type for i in whole.output] == ["reasoning", "message"] and whole.status == "completed"
+    thought = whole.output[0].content[0].text
+    assert re.fullmatch(r'"step [a-z]{2} [a-z]{3}', thought) and whole.output_text == 'Paris"'
+    events = list(client.responses.create(stream=True, **ask))
+    types = [e.type for e in events]
+    assert _collapsed(types) == ["response.created", "response.in_progress", *REASONING_EVENTS,
+                                 "response.output_item.added", "response.content_part.added",
+                                 "response.output_text.delta", "response.output_text.done",
+                                 "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert _reasoning_stream(events)[1:] == (thought, thought)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == 'Paris"'
+    indexes = {e.item.type: e.output_index for e in events if e.type == "response.output_item.done"}
+    assert indexes == {"reasoning": 0, "message": 1}
+    assert events[-1].response.output[0].content[0].text == thought
