@@ -137,3 +137,13 @@ class DeletedResponse(BaseModel):
 class InputTokens(BaseModel):
     object: Literal["response.input_tokens"] = "response.input_tokens"
     input_tokens: int
+
+
+class InputItemList(BaseModel):
+    """GET /v1/responses/{id}/input_items: one page of a stored response's input items."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None  # None only for an empty page (after the last item)
+    last_id: str | None
+    has_more: bool

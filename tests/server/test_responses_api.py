@@ -164,6 +164,47 @@ def test_get_delete_and_input_tokens(client: openai.OpenAI, http: httpx.Client) 
         client.responses.create(model=MODEL_NAME, input="x", previous_response_id="resp_missing")
 
 
+def test_input_items_list_a_chained_turns_conversation(client: openai.OpenAI, http: httpx.Client) -> None:
+    first = client.responses.create(model=MODEL_NAME, input="one", max_output_tokens=2, temperature=0)
+    ask = [{"role": "user", "content": [{"type": "input_text", "text": "two"}]}]
+    second = client.responses.create(model=MODEL_NAME, input=ask, previous_response_id=first.id,
+                                     max_output_tokens=2, temperature=0)
+    only = client.responses.input_items.list(first.id)
+    assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in only.data] == [
+        ("message", "user", "input_text", "one")]  # a string input is one user message with one part
+    assert only.has_more is False and only.first_id == only.last_id == only.data[0].id
+    desc = client.responses.input_items.list(second.id).data  # newest first by default
+    assert [(i.role, i.content[0].text) for i in desc] == [("user", "two"), ("assistant", first.output_text),
+                                                          ("user", "one")]
+    assert desc[1].id == first.output[0].id and desc[1].content[0].type == "output_text"
+    assert desc[2].id == only.data[0].id  # an item's id is the same in every listing
+    one = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert one.has_more is True and [i.id for i in one.data] == [desc[2].id]
+    paged = list(client.responses.input_items.list(second.id, order="asc", limit=1))  # the SDK pages by `after`
+    assert [i.id for i in paged] == [i.id for i in desc[::-1]]
+    rest = client.responses.input_items.list(second.id, after=desc[0].id, limit=100,
+                                             include=["message.output_text.logprobs"])
+    assert [i.id for i in rest.data] == [desc[1].id, desc[2].id] and rest.has_more is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+    assert assert_error(http.get("/v1/responses/resp_missing/input_items"), 404)["code"] == "response_not_found"
+    for query in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_missing"}):
+        assert_error(http.get(f"/v1/responses/{second.id}/input_items", params=query), 400)
+
+
+def test_input_items_of_a_tool_turn(client: openai.OpenAI) -> None:
+    first = _forced_call(client)
+    call = next(item for item in first.output if item.type == "function_call")
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    chained = client.responses.create(model=MODEL_NAME, previous_response_id=first.id, input=[result],
+                                      tools=[WEATHER], max_output_tokens=2, temperature=0)
+    items = client.responses.input_items.list(chained.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert (items[1].id, items[1].call_id, items[1].name, items[1].arguments) == (call.id, call.call_id, call.name,
+                                                                                  call.arguments)
+    assert (items[2].call_id, items[2].output, items[2].id.startswith("fco_")) == (call.call_id, "sunny", True)
+
+
 def test_unrunnable_tool_types_are_dropped(client: openai.OpenAI, server: Server) -> None:
     tools = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]},
              {"type": "local_shell"}, {"type": "mcp", "server_label": "x", "server_url": "http://x"}]
