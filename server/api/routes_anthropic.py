@@ -20,7 +20,7 @@ from dataclasses import replace
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.api.anthropic_format import as_chat_request, content_blocks, log_ignored, stop_reason
+from server.api.anthropic_format import as_chat_request, content_blocks, stop_reason
 from server.api.anthropic_stream import MessageSpec, message_events
 from server.api.chat_tools import ToolPlan, message_parts
 from server.api.deps import check_model, get_state
@@ -35,6 +35,7 @@ from server.api.protocol_anthropic import (
     Usage,
 )
 from server.api.reasoning import CLOSE, ReasoningParser, grammar_prefix, prompt_start
+from server.api.request_fields import check_and_log_request_fields
 from server.api.routes_chat import _plan, reasoning_parser_for
 from server.api.routes_openai import collect, streams
 from server.api.sse import HEADERS, EventStreamResponse
@@ -57,8 +58,8 @@ def _model(state: ServerState, requested: str | None) -> str:
 async def _prompt(state: ServerState,
                   body: CountTokensRequest) -> tuple[ChatCompletionRequest, ToolPlan, list[int], str]:
     """(the chat request, its tool plan, prompt ids, prompt text), rendered as chat renders them. Raises APIError
-    (400/404)."""
-    log_ignored(body)
+    (400/404). Fields Ember does not serve are refused or logged as ignored by their RULES."""
+    check_and_log_request_fields(body, "messages")
     _model(state, body.model)
     chat = as_chat_request(body)
     plan = await _plan(state, chat)

@@ -189,6 +189,25 @@ def test_errors_in_anthropic_shape(client: anthropic.Anthropic, smol: Server, mo
     assert openai_shaped.status_code == 400 and set(openai_shaped.json()) == {"error"}
 
 
+def test_refused_and_ignored_fields(client: anthropic.Anthropic, smol: Server, model: str) -> None:
+    """The Messages API's fields in request_fields.RULES: one asking for what Ember lacks is a 400 in Anthropic's
+    shape naming it, on both routes; the hints Claude Code sends are accepted without a warning line."""
+    schema = {"type": "json_schema", "schema": {"type": "object"}}
+    with pytest.raises(anthropic.BadRequestError) as fmt:
+        client.messages.create(model=model, max_tokens=8, messages=QUESTION,
+                               extra_body={"output_config": {"format": schema}})
+    assert _anthropic_error(fmt.value.body, "invalid_request_error").startswith("output_config is not supported")
+    with pytest.raises(anthropic.BadRequestError) as mcp:
+        client.messages.count_tokens(model=model, messages=QUESTION, extra_body={"mcp_servers": [
+            {"type": "url", "url": "https://mcp.example/sse", "name": "x"}]})
+    assert "mcp_servers" in _anthropic_error(mcp.value.body, "invalid_request_error")
+    hints = {"cache_control": {"type": "ephemeral"}, "service_tier": "auto", "output_config": {"effort": "low"},
+             "context_management": {"edits": []}, "zz_unknown_field": 1}
+    assert _text(_greedy(client, model, extra_body={**GREEDY["extra_body"], **hints})) == _text(_greedy(client, model))
+    ignored = [line for line in smol.log().splitlines() if "ignored unknown fields" in line]
+    assert ignored and ignored[-1].endswith("zz_unknown_field")  # the hints are known: only the unknown one is named
+
+
 @pytest.mark.parametrize("name", ["claude-sonnet-4-5-20250929", "claude-haiku-4-5", "claude-opus-4-1"])
 def test_claude_model_names_are_served(client: anthropic.Anthropic, smol: Server, model: str, name: str) -> None:
     """Claude Code sends Anthropic's model names: they get the served model, the response echoing the name."""
