@@ -9,10 +9,9 @@ OpenAI's auto / required / named function / none, so a forced call goes through 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from server.api.errors import APIError
 from server.api.protocol import (
@@ -40,8 +39,6 @@ from server.api.protocol_anthropic import (
     ToolUseOut,
 )
 from server.api.tool_parsers import ToolCall
-
-log = logging.getLogger("ember.server")
 
 
 def _joined(blocks: str | Sequence[TextBlock] | None) -> str:
@@ -92,12 +89,6 @@ def _tool_choice(choice: ToolChoice | None) -> str | NamedToolChoice | None:
             raise APIError(400, "tool_choice of type tool needs a name", param="tool_choice.name")
         return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-
-
-def log_ignored(body: BaseModel) -> None:
-    """Fields no model declares are ignored (as Anthropic's own API would refuse only some): say which, once."""
-    if body.model_extra:
-        log.warning("/v1/messages: ignoring unsupported fields %s", ", ".join(sorted(body.model_extra)))
 
 
 def as_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:

@@ -1,6 +1,7 @@
 """Anthropic Messages API request and response models (POST /v1/messages, /v1/messages/count_tokens).
 
-Requests keep unknown fields in `model_extra` (logged as ignored by the route), as the OpenAI models do. Ranges are
+Requests keep unknown fields in `model_extra`, where server/api/request_fields.py's RULES refuse the ones that
+ask for something Ember lacks and the route logs the rest as ignored, as the OpenAI models do. Ranges are
 checked by engine.sampling_params.SamplingParams, once, as for every other route.
 """
 from __future__ import annotations

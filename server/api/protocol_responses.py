@@ -68,8 +68,9 @@ class ReasoningText(BaseModel):
 class ReasoningItem(BaseModel):
     type: Literal["reasoning"] = "reasoning"
     id: str
-    summary: list[Any] = Field(default_factory=list)
+    summary: list[Any] = Field(default_factory=list)  # Ember writes no summaries: the text itself is `content`
     content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 OutputItem = MessageItem | FunctionCallItem | ReasoningItem
@@ -136,3 +137,13 @@ class DeletedResponse(BaseModel):
 class InputTokens(BaseModel):
     object: Literal["response.input_tokens"] = "response.input_tokens"
     input_tokens: int
+
+
+class InputItemList(BaseModel):
+    """GET /v1/responses/{id}/input_items: one page of a stored response's input items."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None  # None only for an empty page (after the last item)
+    last_id: str | None
+    has_more: bool

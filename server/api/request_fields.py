@@ -1,5 +1,5 @@
-"""No silently ignored request fields: the OpenAI, vLLM and SGLang request fields Ember does not implement are a
-400 naming the field when they ask for something (`suffix` non-empty, `use_beam_search: true`, ...), and accepted
+"""No silently ignored request fields: the OpenAI, vLLM, SGLang and Anthropic request fields Ember does not
+implement are a 400 naming the field when they ask for something (`suffix` non-empty, `use_beam_search: true`, ...), and accepted
 when they hold their neutral value (`suffix: ""`, `use_beam_search: false`). The fields OpenAI's own server
 treats as hints (`user`, `safety_identifier`, `prompt_cache_key`, `prompt_cache_retention`, `metadata`,
 `store: false`, `service_tier: auto|default`, `modalities: ["text"]`, ...) are accepted and ignored. Any other
@@ -22,24 +22,25 @@ from pydantic import BaseModel
 from server.api.errors import APIError
 
 log = logging.getLogger("ember.server")
-Endpoint = Literal["chat", "completions", "generate"]
+Endpoint = Literal["chat", "completions", "generate", "messages"]  # messages: /v1/messages and its count_tokens
 Neutral = Callable[[Any, BaseModel], bool]  # (value, whole request body) -> True: asks for nothing Ember lacks
 
 CHAT: frozenset[Endpoint] = frozenset({"chat"})
 COMPLETIONS: frozenset[Endpoint] = frozenset({"completions"})
 OPENAI: frozenset[Endpoint] = frozenset({"chat", "completions"})
 GENERATE: frozenset[Endpoint] = frozenset({"generate"})
+MESSAGES: frozenset[Endpoint] = frozenset({"messages"})
 # The nested models whose undeclared fields are checked too, per endpoint ("" is the body itself).
 _OPENAI_WHERE = ("", "stream_options", "structured_outputs")
 _WHERE: dict[Endpoint, tuple[str, ...]] = {"chat": _OPENAI_WHERE, "completions": _OPENAI_WHERE,
-                                           "generate": ("", "sampling_params")}
+                                           "generate": ("", "sampling_params"), "messages": ("",)}
 
 
 @dataclass(frozen=True)
 class FieldRule:
     name: str
     endpoints: frozenset[Endpoint]
-    source: str  # whose API defines the field: OpenAI, vLLM, SGLang
+    source: str  # whose API defines the field: OpenAI, vLLM, SGLang, Anthropic
     neutral: Neutral
     neutral_text: str  # the neutral values in words, for the docs' table
     reason: str | None = None  # why any other value is refused; None: never refused (a hint)
@@ -76,6 +77,11 @@ def _anything(value: Any, body: BaseModel) -> bool:  # a hint: every value is fi
 def _best_of(value: Any, body: BaseModel) -> bool:
     n = getattr(body, "n", None)
     return value is None or _same(value, 1) or _same(value, 1 if n is None else n)
+
+
+def _no_output_format(value: Any, body: BaseModel) -> bool:
+    """Anthropic's output_config asks for nothing Ember lacks unless it names a `format` (effort is a hint)."""
+    return value is None or (isinstance(value, dict) and value.get("format") is None)
 
 
 def _not_structural_tag(value: Any, body: BaseModel) -> bool:
@@ -203,6 +209,27 @@ RULES: tuple[FieldRule, ...] = (
     _rule("priority", GENERATE, "SGLang", _one_of(0), "unset or 0", reason="Ember schedules first come, first served"),
     _rule("extra_key", GENERATE, "SGLang", _UNSET, "unset", reason=_SHARED_CACHE),
     _rule("cache_salt", GENERATE, "SGLang", _UNSET, "unset", reason=_SHARED_CACHE),
+    # ---- Anthropic Messages API (/v1/messages, /v1/messages/count_tokens) ----
+    _rule("metadata", MESSAGES, "Anthropic", _anything, "any", hint="a user_id for Anthropic's abuse tracking"),
+    _rule("thinking", MESSAGES, "Anthropic", _anything, "any",
+          hint='only `type: "disabled"` is read (it drops the thinking block); `budget_tokens` is not: the reasoning '
+               "parser reports whatever the model thinks, within max_tokens"),
+    _rule("cache_control", MESSAGES, "Anthropic", _anything, "any",
+          hint="marks what Anthropic's prompt cache writes; Ember's prefix cache matches every prompt by its tokens"),
+    _rule("service_tier", MESSAGES, "Anthropic", _anything, "any", hint="Ember has a single service tier"),
+    _rule("inference_geo", MESSAGES, "Anthropic", _anything, "any", hint="Ember runs where it is deployed"),
+    _rule("speed", MESSAGES, "Anthropic", _anything, "any", hint="Ember decodes at one speed, the fastest it has"),
+    _rule("diagnostics", MESSAGES, "Anthropic", _anything, "any",
+          hint="Ember explains no cache misses (usage.cache_read_input_tokens shows the prefix-cache hit)"),
+    _rule("context_management", MESSAGES, "Anthropic", _anything, "any",
+          hint="Ember edits no context: the conversation renders as sent (one over the context is a 400)"),
+    _rule("output_config", MESSAGES, "Anthropic", _no_output_format, "unset, or without `format`",
+          reason="output formats are not implemented on /v1/messages (/v1/chat/completions' response_format and "
+                 "/v1/responses' text.format have them)",
+          hint="its `effort` is ignored: Ember's chat templates take no effort setting"),
+    _rule("container", MESSAGES, "Anthropic", _UNSET, "unset", reason="Ember runs no code-execution containers"),
+    _rule("mcp_servers", MESSAGES, "Anthropic", _one_of([]), "unset or []",
+          reason="Ember connects to no MCP servers (pass their tools as `tools`; the client runs them)"),
     # ---- SGLang sampling_params ----
     _rule("stream_interval", GENERATE, "SGLang", _anything, "any", where="sampling_params",
           hint="Ember streams the tokens of every step"),
@@ -278,7 +305,7 @@ def check_and_log_request_fields(body: BaseModel, endpoint: Endpoint) -> None:
 
 
 def _endpoints_text(endpoints: frozenset[Endpoint]) -> str:
-    return ", ".join(e for e in ("chat", "completions", "generate") if e in endpoints)
+    return ", ".join(e for e in ("chat", "completions", "generate", "messages") if e in endpoints)
 
 
 def markdown_table(kind: Literal["ignored", "rejected"]) -> str:

@@ -1,8 +1,10 @@
 """The Responses API's output: the response object of a finished turn, and the typed SSE events of a streamed one.
 
 A stream is `response.created`, `response.in_progress`, then per output item `response.output_item.added`, its
-content (a message: `response.content_part.added`, `response.output_text.delta`..., `response.output_text.done`,
-`response.content_part.done`; a function call: `response.function_call_arguments.delta` / `.done`), and
+content (a reasoning item: `response.content_part.added` with a `reasoning_text` part,
+`response.reasoning_text.delta`..., `response.reasoning_text.done`, `response.content_part.done`; a message the
+same with `output_text` and `response.output_text.delta` / `.done`; a function call:
+`response.function_call_arguments.delta` / `.done`), and
 `response.output_item.done`; last `response.completed` (or `response.incomplete`). Every event carries its `type`
 and a `sequence_number` that increases by one, and its SSE `event:` line names the type. An error after the 200
 has gone out becomes an `error` event followed by `response.failed`. There is no `[DONE]`: OpenAI sends none.
@@ -119,7 +121,8 @@ async def response_events(turn: Turn, outputs: TaggedOutputs, parser: ToolParser
                           on_done: Callable[[ResponseObject], None]) -> AsyncGenerator[str, None]:
     ev = _Events()
     items: list[OutputItem] = []
-    thought: list[str] = []
+    thought: list[str] = []  # the reasoning item's text so far
+    rs_id = ""  # the open reasoning item's id; "": none open
     open_text: list[str] | None = None  # the open message's text so far; None: no message open
     msg_id = ""
     calls = 0
@@ -167,15 +170,34 @@ async def response_events(turn: Turn, outputs: TaggedOutputs, parser: ToolParser
         items.append(item)
         return out
 
-    def reasoning_events() -> list[str]:
-        # The reasoning is one item, sent whole once the answer starts (or the output ends inside it).
-        if not thought:
+    def reasoning_events(text: str) -> list[str]:
+        # The reasoning item opens at its first text and streams as one reasoning_text part, as the message does.
+        nonlocal rs_id
+        out: list[str] = []
+        if not rs_id:
+            rs_id = item_id("rs")
+            out = [ev("response.output_item.added", output_index=len(items),
+                      item=ReasoningItem(id=rs_id, status="in_progress")),
+                   ev("response.content_part.added", item_id=rs_id, output_index=len(items), content_index=0,
+                      part=ReasoningText(text=""))]
+        thought.append(text)
+        out.append(ev("response.reasoning_text.delta", item_id=rs_id, output_index=len(items), content_index=0,
+                      delta=text))
+        return out
+
+    def end_reasoning() -> list[str]:
+        nonlocal rs_id
+        if not rs_id:
             return []
-        item, index = reasoning_item("".join(thought)), len(items)
+        done, index = ReasoningItem(id=rs_id, content=[ReasoningText(text="".join(thought))]), len(items)
+        items.append(done)
+        rs_id = ""
         thought.clear()
-        items.append(item)
-        return [ev("response.output_item.added", output_index=index, item=item.model_copy(update={"content": []})),
-                ev("response.output_item.done", output_index=index, item=item)]
+        return [ev("response.reasoning_text.done", item_id=done.id, output_index=index, content_index=0,
+                   text=done.content[0].text),
+                ev("response.content_part.done", item_id=done.id, output_index=index, content_index=0,
+                   part=done.content[0]),
+                ev("response.output_item.done", output_index=index, item=done)]
 
     base = turn.response("in_progress", [])
     yield ev("response.created", response=base)
@@ -191,10 +213,8 @@ async def response_events(turn: Turn, outputs: TaggedOutputs, parser: ToolParser
                 text = out.text
                 if thinker is not None:
                     r, text = thinker.feed(text, last=final)
-                    thought.append(r)
-                    if text or final:
-                        for e in reasoning_events():
-                            yield e
+                    for e in (reasoning_events(r) if r else []) + (end_reasoning() if text or final else []):
+                        yield e
                 pieces: list[str | ToolCall] = [text] if stream is None and text else []
                 if stream is not None:
                     pieces = (stream.feed(text) if text else []) + (stream.finish() if final else [])
@@ -206,7 +226,7 @@ async def response_events(turn: Turn, outputs: TaggedOutputs, parser: ToolParser
                         calls += 1
                         for e in call_events(piece):
                             yield e
-        for e in reasoning_events() + end_message():
+        for e in end_reasoning() + end_message():
             yield e
         if not any(isinstance(i, (MessageItem, FunctionCallItem)) for i in items):
             for e in begin_message() + end_message():  # an empty answer is still one (empty) message

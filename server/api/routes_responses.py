@@ -1,5 +1,5 @@
 """POST /v1/responses (OpenAI's Responses API), stateless or stored, on chat completion's machinery; GET and
-DELETE /v1/responses/{id}; POST /v1/responses/input_tokens.
+DELETE /v1/responses/{id}; GET /v1/responses/{id}/input_items; POST /v1/responses/input_tokens.
 
 A turn is rendered as the chat request it stands for (server/api/responses_input.py) over the whole
 conversation: a `previous_response_id`'s stored history and output, then this turn's input. The chat template
@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from engine.params_error import SamplingParamsError
@@ -26,6 +26,7 @@ from server.api.protocol import ChatCompletionRequest
 from server.api.protocol_responses import (
     DeletedResponse,
     FunctionCallItem,
+    InputItemList,
     InputTokens,
     MessageItem,
     ResponseObject,
@@ -33,6 +34,7 @@ from server.api.protocol_responses import (
 )
 from server.api.reasoning import CLOSE, ReasoningParser, grammar_prefix, prompt_start
 from server.api.responses_input import chat_request, input_items
+from server.api.responses_items import page, with_ids
 from server.api.responses_store import ResponseStore, StoredResponse
 from server.api.responses_stream import Turn, output_items, response_events
 from server.api.routes_chat import _plan, reasoning_parser_for
@@ -97,14 +99,15 @@ async def _prompt(state: ServerState, body: ResponsesRequest,
 
 
 def _as_input(items: list[Any]) -> list[dict[str, Any]]:
-    """A turn's output items as the next turn's input items (reasoning stays out of later prompts)."""
+    """A turn's output items as the next turn's input items (reasoning stays out of later prompts), with their
+    output ids, which the next turn's input_items list shows."""
     out: list[dict[str, Any]] = []
     for item in items:
         if isinstance(item, MessageItem):
-            out.append({"type": "message", "role": "assistant",
+            out.append({"type": "message", "id": item.id, "role": "assistant",
                         "content": [{"type": "output_text", "text": c.text} for c in item.content]})
         elif isinstance(item, FunctionCallItem):
-            out.append({"type": "function_call", "call_id": item.call_id, "name": item.name,
+            out.append({"type": "function_call", "id": item.id, "call_id": item.call_id, "name": item.name,
                         "arguments": item.arguments})
     return out
 
@@ -138,7 +141,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response 
 
     def keep(done: ResponseObject) -> None:
         if store is not None:
-            store.put(StoredResponse(done, before + turn_input, _as_input(done.output)))
+            store.put(StoredResponse(done, with_ids(before + turn_input), _as_input(done.output)))
 
     if body.stream:
         return EventStreamResponse(response_events(turn, outputs, plan.parser, parallel, start, keep),
@@ -168,6 +171,18 @@ async def get_response(response_id: str, request: Request) -> ResponseObject:
     if record is None:
         raise _not_found(response_id)
     return record.response
+
+
+@router.get("/v1/responses/{response_id}/input_items", response_model=None)
+async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None,
+                           include: list[str] | None = Query(None)) -> InputItemList:
+    """The items the stored response was generated from (server/api/responses_items.py); `include` is accepted
+    and has nothing to add: Ember's items carry no optional fields."""
+    record = _store(request).get(response_id)
+    if record is None:
+        raise _not_found(response_id)
+    return page(record.history, limit, order, after)
 
 
 @router.delete("/v1/responses/{response_id}", response_model=None)

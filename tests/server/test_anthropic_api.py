@@ -171,7 +171,7 @@ def test_errors_in_anthropic_shape(client: anthropic.Anthropic, smol: Server, mo
     with pytest.raises(anthropic.BadRequestError):
         client.messages.count_tokens(model=model, messages=[{"role": "user", "content": [{"type": "image"}]}])  # type: ignore[list-item]
     with pytest.raises(anthropic.NotFoundError) as unknown_model:
-        client.messages.create(model="claude-opus-4", max_tokens=8, messages=QUESTION)
+        client.messages.create(model="gpt-4o", max_tokens=8, messages=QUESTION)
     _anthropic_error(unknown_model.value.body, "not_found_error")
     # A body declared over --max-request-bytes is refused before it is read, in Anthropic's shape too.
     with socket.create_connection(("127.0.0.1", int(smol.base_url.rsplit(":", 1)[1]))) as sock:
@@ -187,6 +187,49 @@ def test_errors_in_anthropic_shape(client: anthropic.Anthropic, smol: Server, mo
     openai_shaped = httpx.post(smol.base_url + "/v1/chat/completions", json={"messages": []},
                                headers={"x-api-key": KEY}, timeout=30)
     assert openai_shaped.status_code == 400 and set(openai_shaped.json()) == {"error"}
+
+
+def test_refused_and_ignored_fields(client: anthropic.Anthropic, smol: Server, model: str) -> None:
+    """The Messages API's fields in request_fields.RULES: one asking for what Ember lacks is a 400 in Anthropic's
+    shape naming it, on both routes; the hints Claude Code sends are accepted without a warning line."""
+    schema = {"type": "json_schema", "schema": {"type": "object"}}
+    with pytest.raises(anthropic.BadRequestError) as fmt:
+        client.messages.create(model=model, max_tokens=8, messages=QUESTION,
+                               extra_body={"output_config": {"format": schema}})
+    assert _anthropic_error(fmt.value.body, "invalid_request_error").startswith("output_config is not supported")
+    with pytest.raises(anthropic.BadRequestError) as mcp:
+        client.messages.count_tokens(model=model, messages=QUESTION, extra_body={"mcp_servers": [
+            {"type": "url", "url": "https://mcp.example/sse", "name": "x"}]})
+    assert "mcp_servers" in _anthropic_error(mcp.value.body, "invalid_request_error")
+    hints = {"cache_control": {"type": "ephemeral"}, "service_tier": "auto", "output_config": {"effort": "low"},
+             "context_management": {"edits": []}, "zz_unknown_field": 1}
+    assert _text(_greedy(client, model, extra_body={**GREEDY["extra_body"], **hints})) == _text(_greedy(client, model))
+    ignored = [line for line in smol.log().splitlines() if "ignored unknown fields" in line]
+    assert ignored and ignored[-1].endswith("zz_unknown_field")  # the hints are known: only the unknown one is named
+
+
+@pytest.mark.parametrize("name", ["claude-sonnet-4-5-20250929", "claude-haiku-4-5", "claude-opus-4-1"])
+def test_claude_model_names_are_served(client: anthropic.Anthropic, smol: Server, model: str, name: str) -> None:
+    """Claude Code sends Anthropic's model names: they get the served model, the response echoing the name."""
+    expected = _greedy(client, model)
+    msg = _greedy(client, name)
+    assert msg.model == name and _text(msg) == _text(expected) and msg.usage.output_tokens > 0
+    with client.messages.stream(model=name, max_tokens=32, messages=QUESTION, **GREEDY) as stream:
+        assert "".join(stream.text_stream) == _text(expected)
+        assert stream.get_final_message().model == name  # message_start names it
+    counted = client.messages.count_tokens(model=name, messages=QUESTION).input_tokens
+    assert counted == client.messages.count_tokens(model=model, messages=QUESTION).input_tokens
+    # Only the Anthropic routes take them: the OpenAI routes keep their 404 for a name they do not serve.
+    chat = httpx.post(smol.base_url + "/v1/chat/completions", json={"model": name, "messages": QUESTION},
+                      headers={"x-api-key": KEY}, timeout=30)
+    assert chat.status_code == 404
+
+
+def test_other_unknown_model_names_are_404(client: anthropic.Anthropic) -> None:
+    for name in ("gpt-4o", "claude", "Claude-sonnet-4", "sonnet"):  # no claude- prefix, as Anthropic spells it
+        with pytest.raises(anthropic.NotFoundError) as unknown:
+            client.messages.count_tokens(model=name, messages=QUESTION)
+        assert name in _anthropic_error(unknown.value.body, "not_found_error")
 
 
 def test_api_key_headers(smol: Server, model: str) -> None:

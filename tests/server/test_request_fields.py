@@ -1,6 +1,6 @@
 """server/api/request_fields.py on the real request models: the fields Ember does not implement are a 400 naming
-the field unless they hold a neutral value, OpenAI's hints are accepted and ignored, and every other unknown field
-(nested ones included) comes back by name for the warning line."""
+the field unless they hold a neutral value, OpenAI's and Anthropic's hints are accepted and ignored, and every other
+unknown field (nested ones included) comes back by name for the warning line."""
 from __future__ import annotations
 
 import typing
@@ -11,12 +11,13 @@ from pydantic import BaseModel, ValidationError
 
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.api.protocol_anthropic import MessagesRequest
 from server.api.protocol_native import GenerateRequest
 from server.api.request_fields import MAX_SHOWN_NAMES, RULES, Endpoint, check_request_fields, markdown_table
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 MODELS: dict[Endpoint, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest,
-                                           "generate": GenerateRequest}
+                                           "generate": GenerateRequest, "messages": MessagesRequest}
 
 
 def nested_model(model: type[BaseModel], field: str) -> type[BaseModel]:
@@ -29,7 +30,7 @@ def nested_model(model: type[BaseModel], field: str) -> type[BaseModel]:
 
 def body(endpoint: Endpoint, **fields: Any) -> BaseModel:
     base: dict[str, Any] = {"chat": {"messages": MESSAGES}, "completions": {"prompt": "hi"},
-                            "generate": {"text": "hi"}}[endpoint]
+                            "generate": {"text": "hi"}, "messages": {"max_tokens": 4, "messages": MESSAGES}}[endpoint]
     return MODELS[endpoint].model_validate({**base, **fields})
 
 
@@ -91,6 +92,13 @@ REJECTED: list[tuple[Endpoint, dict[str, Any], str]] = [
      "structured_outputs.whitespace_pattern"),
     ("chat", {"structured_outputs": {"json": {}, "disable_additional_properties": True}},
      "structured_outputs.disable_additional_properties"),
+    # Anthropic /v1/messages
+    ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "output_config"),
+    ("messages", {"output_config": {"effort": "high", "format": {"type": "json_schema", "schema": {}}}},
+     "output_config"),
+    ("messages", {"container": "container_1"}, "container"),
+    ("messages", {"mcp_servers": [{"type": "url", "url": "https://mcp.example/sse", "name": "x"}]}, "mcp_servers"),
 ]
 
 
@@ -138,6 +146,8 @@ NEUTRAL: list[tuple[Endpoint, dict[str, Any]]] = [
     ("chat", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}),
     ("generate", {"lora_path": None, "return_hidden_states": False, "logprob_start_len": -1, "image_data": None,
                   "sampling_params": {"structural_tag": None, "no_stop_trim": False, "stop_regex": []}}),
+    ("messages", {"output_config": {"effort": "low"}, "container": None, "mcp_servers": []}),
+    ("messages", {"output_config": {"format": None}}),
 ]
 
 
@@ -154,6 +164,19 @@ def test_openai_hints_are_accepted_and_ignored() -> None:
     assert check_request_fields(body("completions", user="u-1"), "completions") == []
     streamed = body("completions", stream=True, stream_options={"include_usage": True, "include_obfuscation": False})
     assert check_request_fields(streamed, "completions") == []
+
+
+def test_anthropic_hints_are_accepted_and_ignored() -> None:
+    """What Claude Code and the anthropic SDK send beside the served fields asks for nothing a local server lacks."""
+    hints = {"cache_control": {"type": "ephemeral"}, "service_tier": "standard_only", "inference_geo": "eu",
+             "speed": "fast", "diagnostics": {"previous_message_id": "msg_1"}, "metadata": {"user_id": "u"},
+             "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+             "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    assert check_request_fields(body("messages", **hints), "messages") == []
+    # Anthropic's hints are not OpenAI's: on chat, speed is just unknown, and output_config is no chat field.
+    assert check_request_fields(body("chat", speed="fast", output_config={"format": {}}), "chat") == [
+        "speed", "output_config"]
+    assert check_request_fields(body("messages", foo=1), "messages") == ["foo"]
 
 
 def test_other_unknown_fields_come_back_by_name_nested_ones_with_their_path() -> None:
@@ -203,4 +226,7 @@ def test_markdown_tables_list_each_rule_in_its_kind() -> None:
     assert any(line.startswith("| `user` (OpenAI) | chat, completions | any |") for line in ignored)
     assert any(line.startswith('| `store` (OpenAI) | chat | unset or false |') for line in refused)
     assert any(line.startswith("| `sampling_params.structural_tag` (SGLang) | generate |") for line in refused)
+    assert any(line.startswith("| `cache_control` (Anthropic) | messages | any |") for line in ignored)
+    assert any(line.startswith("| `output_config` (Anthropic) | messages | unset, or without `format` |")
+               for line in refused)
     assert all(line.count("|") == 5 for line in ignored + refused)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from typing import Literal
 
@@ -163,6 +164,47 @@ def test_get_delete_and_input_tokens(client: openai.OpenAI, http: httpx.Client) 
         client.responses.create(model=MODEL_NAME, input="x", previous_response_id="resp_missing")
 
 
+def test_input_items_list_a_chained_turns_conversation(client: openai.OpenAI, http: httpx.Client) -> None:
+    first = client.responses.create(model=MODEL_NAME, input="one", max_output_tokens=2, temperature=0)
+    ask = [{"role": "user", "content": [{"type": "input_text", "text": "two"}]}]
+    second = client.responses.create(model=MODEL_NAME, input=ask, previous_response_id=first.id,
+                                     max_output_tokens=2, temperature=0)
+    only = client.responses.input_items.list(first.id)
+    assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in only.data] == [
+        ("message", "user", "input_text", "one")]  # a string input is one user message with one part
+    assert only.has_more is False and only.first_id == only.last_id == only.data[0].id
+    desc = client.responses.input_items.list(second.id).data  # newest first by default
+    assert [(i.role, i.content[0].text) for i in desc] == [("user", "two"), ("assistant", first.output_text),
+                                                          ("user", "one")]
+    assert desc[1].id == first.output[0].id and desc[1].content[0].type == "output_text"
+    assert desc[2].id == only.data[0].id  # an item's id is the same in every listing
+    one = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert one.has_more is True and [i.id for i in one.data] == [desc[2].id]
+    paged = list(client.responses.input_items.list(second.id, order="asc", limit=1))  # the SDK pages by `after`
+    assert [i.id for i in paged] == [i.id for i in desc[::-1]]
+    rest = client.responses.input_items.list(second.id, after=desc[0].id, limit=100,
+                                             include=["message.output_text.logprobs"])
+    assert [i.id for i in rest.data] == [desc[1].id, desc[2].id] and rest.has_more is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+    assert assert_error(http.get("/v1/responses/resp_missing/input_items"), 404)["code"] == "response_not_found"
+    for query in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_missing"}):
+        assert_error(http.get(f"/v1/responses/{second.id}/input_items", params=query), 400)
+
+
+def test_input_items_of_a_tool_turn(client: openai.OpenAI) -> None:
+    first = _forced_call(client)
+    call = next(item for item in first.output if item.type == "function_call")
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    chained = client.responses.create(model=MODEL_NAME, previous_response_id=first.id, input=[result],
+                                      tools=[WEATHER], max_output_tokens=2, temperature=0)
+    items = client.responses.input_items.list(chained.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert (items[1].id, items[1].call_id, items[1].name, items[1].arguments) == (call.id, call.call_id, call.name,
+                                                                                  call.arguments)
+    assert (items[2].call_id, items[2].output, items[2].id.startswith("fco_")) == (call.call_id, "sunny", True)
+
+
 def test_unrunnable_tool_types_are_dropped(client: openai.OpenAI, server: Server) -> None:
     tools = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]},
              {"type": "local_shell"}, {"type": "mcp", "server_label": "x", "server_url": "http://x"}]
@@ -276,17 +318,71 @@ def r1(make_tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         yield srv
 
 
+def _reasoning_stream(events: list) -> tuple[list[str], str, str]:
+    """(the reasoning item's event types in order, its deltas joined, its reasoning_text.done text)."""
+    rs_id = next(e.item.id for e in events if e.type == "response.output_item.added" and e.item.type == "reasoning")
+    mine = [e for e in events if getattr(e, "item_id", None) == rs_id or getattr(getattr(e, "item", None), "id", None)
+            == rs_id]
+    deltas = "".join(e.delta for e in mine if e.type == "response.reasoning_text.delta")
+    done = [e.text for e in mine if e.type == "response.reasoning_text.done"]
+    assert len(done) == 1
+    return [e.type for e in mine], deltas, done[0]
+
+
+REASONING_EVENTS = ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                    "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def _collapsed(types: list[str]) -> list[str]:
+    """Event types with runs of deltas written once."""
+    return [t for i, t in enumerate(types) if not (t.endswith(".delta") and i and types[i - 1] == t)]
+
+
 def test_reasoning_is_its_own_item(r1: Server) -> None:
     client = openai_client(r1)
     ask = dict(model=MODEL_NAME, input="Think", max_output_tokens=8, temperature=0)
     whole = client.responses.create(**ask)
     kinds = [item.type for item in whole.output]
     assert kinds == ["reasoning", "message"] and whole.output_text == "", kinds
+    assert whole.output[0].status == "completed" and whole.output[0].summary == []
     thought = whole.output[0].content[0].text
+    assert whole.output[0].content[0].type == "reasoning_text"
     assert thought and "<think>" not in thought
     assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= whole.usage.output_tokens == 8
     events = list(client.responses.create(stream=True, **ask))
     final = events[-1].response
     assert [i.type for i in final.output] == kinds and final.output[0].content[0].text == thought
-    added = [e.item.type for e in events if e.type == "response.output_item.added"]
-    assert added == ["reasoning", "message"]
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == ["reasoning", "message"]
+    assert added[0].status == "in_progress" and not added[0].content
+    types, deltas, done = _reasoning_stream(events)
+    assert _collapsed(types) == REASONING_EVENTS
+    assert types.count("response.reasoning_text.delta") > 1  # streamed as it is written, not whole at the end
+    assert deltas == done == thought
+    assert events[[e.type for e in events].index("response.output_item.done")].item.content[0].text == thought
+
+
+# A string whose pattern spells out </think>, so the grammar is applied as written (test_reasoning.py's way of
+# making a random model close its reasoning): reasoning `"step xx yyy`, then the answer `Paris"`.
+CLOSING = {"type": "json_schema", "name": "closing",
+           "schema": {"type": "string", "pattern": "^step [a-z]{2} [a-z]{3}</think>Paris$"}}
+
+
+def test_reasoning_streams_ahead_of_the_answer(r1: Server) -> None:
+    client = openai_client(r1)
+    ask = dict(model=MODEL_NAME, input="Think", max_output_tokens=64, temperature=0, text={"format": CLOSING})
+    whole = client.responses.create(**ask)
+    assert [i.type for i in whole.output] == ["reasoning", "message"] and whole.status == "completed"
+    thought = whole.output[0].content[0].text
+    assert re.fullmatch(r'"step [a-z]{2} [a-z]{3}', thought) and whole.output_text == 'Paris"'
+    events = list(client.responses.create(stream=True, **ask))
+    types = [e.type for e in events]
+    assert _collapsed(types) == ["response.created", "response.in_progress", *REASONING_EVENTS,
+                                 "response.output_item.added", "response.content_part.added",
+                                 "response.output_text.delta", "response.output_text.done",
+                                 "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert _reasoning_stream(events)[1:] == (thought, thought)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == 'Paris"'
+    indexes = {e.item.type: e.output_index for e in events if e.type == "response.output_item.done"}
+    assert indexes == {"reasoning": 0, "message": 1}
+    assert events[-1].response.output[0].content[0].text == thought

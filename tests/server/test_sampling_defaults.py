@@ -3,6 +3,8 @@ repetition_penalty unset gets the model's recommended value (generation_config.j
 [sampling] table over it; --generation-config none restores OpenAI's; a request's explicit value always wins."""
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,17 +70,27 @@ def test_config_file_sampling_table_overrides_the_model(folder: Path, tmp_path: 
                               "repetition_penalty": 1.0}
 
 
+def _readme_first_request() -> dict[str, Any]:
+    """The JSON body of the README's first curl (its `-d '...'`), so the test asks what the README shows."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"-d '(\{.*?\})'", readme, re.DOTALL)
+    assert match is not None, "the README's first curl has no -d body"
+    body: dict[str, Any] = json.loads(match.group(1))
+    return body
+
+
 @pytest.mark.slow
 def test_readme_curl_answers_paris(tmp_path: Path) -> None:
     """README's first request (no temperature) against `make serve` (the embedded SmolLM2 with
-    configs/smollm2.toml, the model card's temperature 0.2 / top_p 0.9). The Q4_1 model's first token is close
-    between "The" (-1.92) and "L" (-2.04, which goes on in French), so at 0.2 about two samples in three say Paris
-    (42 of 64 measured) and greedy always does: the test asks 64 samples for at least 28 (a 3-sigma margin)."""
+    configs/smollm2.toml, the model card's temperature 0.2 / top_p 0.9). The bare question's first token is close
+    between "The" and "L" (which goes on in French), so it says Paris in about three samples of four (42 of 64 and
+    23 of 30 measured); with "Answer in one sentence." it said Paris in 40 of 40. The test asks 64 samples for at
+    least 56: a 3-sigma margin even if one sample in twenty missed, far above the bare question's rate."""
     config = Path(__file__).resolve().parents[2] / "configs" / "smollm2.toml"
     args = ["--config", str(config), "--disable-compile", "--num-threads", "2", "--api-key", API_KEY,
             "--max-n", "16"]
-    ask = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 48,
-           "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    ask = {**_readme_first_request(), "max_tokens": 48}
+    assert "temperature" not in ask and "top_p" not in ask  # the README leaves them to the model's defaults
     with run_server(args, tmp_path / "server.log", timeout=600) as srv, http_client(srv) as http:
         assert _info(srv)["temperature"] == 0.2
         answers: list[str] = []
@@ -86,7 +98,7 @@ def test_readme_curl_answers_paris(tmp_path: Path) -> None:
             resp = http.post("/v1/chat/completions", timeout=300, json={**ask, "n": 16})
             assert resp.status_code == 200, resp.text
             answers += [c["message"]["content"] for c in resp.json()["choices"]]
-        assert sum("Paris" in a for a in answers) >= 28, answers
+        assert sum("Paris" in a for a in answers) >= 56, answers
         greedy = http.post("/v1/chat/completions", timeout=300, json={**ask, "temperature": 0}).json()
         assert "Paris" in greedy["choices"][0]["message"]["content"]
 
