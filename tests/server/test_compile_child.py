@@ -25,9 +25,10 @@ def tiny_model(make_tiny_model: MakeTinyModel) -> Path:
 
 
 def _args(model: Path, cache: Path, *extra: str) -> list[str]:
+    # Speculation off: the tests count decode steps per bucket, one per token (drafts would merge steps).
     return ["--model", str(model), "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-total-tokens",
             "4096", "--max-running-requests", "4", "--decode-buckets", "1,2,4", "--compile-cache-dir", str(cache),
-            *extra]
+            "--speculative", "off", *extra]
 
 
 def _compile_children(server: Server) -> list[psutil.Process]:
