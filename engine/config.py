@@ -42,6 +42,9 @@ class EngineConfig:
     # step. num_speculative_tokens caps a request's drafts per step.
     speculative: str = "ngram"
     num_speculative_tokens: int = 7
+    # MiB of the prefix cache's disk tier under compile_cache_dir (engine/kv_disk.py): cached K/V written through,
+    # read back on a miss, kept across restarts; 0 = off
+    kv_disk_cache_size: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32"):
@@ -62,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
         if not 1 <= self.num_speculative_tokens <= 31:
             raise ValueError("num_speculative_tokens must be in [1, 31]")
+        if self.kv_disk_cache_size < 0:
+            raise ValueError("kv_disk_cache_size must be >= 0 (MiB; 0 = off)")
         if self.chunked_prefill_size < 16:
             raise ValueError("chunked_prefill_size must be at least 16")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
@@ -16,7 +17,8 @@ from engine.grammar.compiler import GrammarCompiler
 from engine.kv_manager import KVManager
 from engine.loader import resolve_model_path
 from engine.loader.pooling import model_pooling
-from engine.loader.prepared import PreparedModel, open_cached, tokenizer_cached
+from engine.kv_disk import DiskKVStore
+from engine.loader.prepared import PreparedModel, checkpoint_fingerprint, open_cached, tokenizer_cached
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Pooling, Request
@@ -44,7 +46,14 @@ class EngineCore:
         # Sliding-window layers keep only each request's last window of K/V (engine/pools.py WindowKVPool), so a
         # cached prefix would lack their part of it: such models recompute every prompt (docs/models.md).
         prefix_cache = not config.disable_prefix_cache and self.runner.window_pool is None
-        self.kvm = KVManager(self.runner.kv_pool, self.runner.req_pool, prefix_cache=prefix_cache)
+        disk = None
+        if prefix_cache and config.kv_disk_cache_size and config.compile_cache_dir:
+            identity = self.runner.kv_identity(checkpoint_fingerprint(resolve_model_path(config.model)))
+            disk = DiskKVStore(Path(config.compile_cache_dir), identity, config.kv_disk_cache_size * 2**20,
+                               self.runner.kv_pool)
+            log.info("KV disk tier: %s, up to %d MiB (%.0f MiB there now)", disk.dir, config.kv_disk_cache_size,
+                     disk.stats.bytes / 2**20)
+        self.kvm = KVManager(self.runner.kv_pool, self.runner.req_pool, prefix_cache=prefix_cache, disk=disk)
         mc = self.model_config
         # Drafts are verified as extra decode rows of their request; a sliding-window layer's ring would let a later
         # draft overwrite the position a window back that an earlier row still reads, so window models do not draft.
@@ -119,6 +128,11 @@ class EngineCore:
             raise SamplingParamsError(
                 f"this model's maximum context length is {limit} tokens; the input has {len(prompt_ids)} tokens",
                 "input")
+
+    def close(self) -> None:
+        """Finish writing the disk tier's queued blocks (a restart then finds them)."""
+        if self.kvm.disk is not None:
+            self.kvm.disk.close()
 
     def add(self, reqs: list[Request]) -> None:
         for req in reqs:

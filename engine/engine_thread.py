@@ -86,6 +86,7 @@ class EngineThread:
         self._thread.join(timeout)
         if self.core is not None:  # a background compile stops after its current bucket
             self.core.runner.graphs.stop(0)
+            self.core.close()
 
     @property
     def compiling(self) -> bool:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_disk import BLOCK_TOKENS, DiskKVStore
 from engine.pools import KVPool, ReqToTokenPool
-from engine.radix_cache import RadixCache
+from engine.radix_cache import RadixCache, TreeNode
 from engine.request import Request
 
 
@@ -28,9 +29,11 @@ class CacheStats:
 
 
 class KVManager:
-    def __init__(self, kv: KVPool, req_pool: ReqToTokenPool, prefix_cache: bool) -> None:
+    def __init__(self, kv: KVPool, req_pool: ReqToTokenPool, prefix_cache: bool,
+                 disk: DiskKVStore | None = None) -> None:
         self.kv, self.req_pool = kv, req_pool
         self.cache = RadixCache(kv) if prefix_cache else None
+        self.disk = disk if prefix_cache else None  # the prefix cache's disk tier (engine/kv_disk.py)
         self.stats = CacheStats()
 
     # ---- sizes ----------------------------------------------------------------------------------------
@@ -62,7 +65,10 @@ class KVManager:
         if self.cache is None:
             return 0
         reuse = req.pooling != "mean"
-        slots, node = self.cache.match(req.all_ids[: req.fill_len - 1] if reuse else [])
+        ids = req.all_ids[: req.fill_len - 1] if reuse else []
+        slots, node = self.cache.match(ids)
+        if self.disk is not None and reuse:
+            slots, node = self._load_from_disk(ids, slots, node)
         self.cache.lock(node)
         req.cache_node, req.cached_len = node, slots.numel()
         self.req_pool.table[req.req_row, : req.cached_len] = slots.to(torch.int32)
@@ -70,6 +76,19 @@ class KVManager:
             self.stats.queried_tokens += req.fill_len
             self.stats.hit_tokens += req.cached_len
         return req.cached_len
+
+    def _load_from_disk(self, ids: list[int], slots: torch.Tensor, node: TreeNode) -> tuple[torch.Tensor, TreeNode]:
+        """Extend the tree's match of `ids` with the blocks the disk tier has past it: they are read into fresh
+        slots and inserted into the tree (so later requests find them there), then matched again."""
+        assert self.cache is not None and self.disk is not None
+        self.cache.lock(node)  # the allocations below may evict: never the prefix just matched
+        covered, loaded = self.disk.load(ids, slots.numel(), self.allocate)
+        self.cache.unlock(node)
+        if not loaded.numel():
+            return slots, node
+        had = self.cache.insert(ids[:covered], torch.cat([slots, loaded]))
+        assert had == slots.numel()  # the tree's own slots up to the match; the loaded ones are the tree's now
+        return self.cache.match(ids)
 
     def unmatch(self, req: Request) -> None:
         """Undo `match` for a request that is not admitted after all."""
@@ -89,6 +108,8 @@ class KVManager:
         row = self.req_pool.table[req.req_row]
         slots, node = self.cache.match(ids)
         assert slots.numel() == req.kv_len
+        if self.disk is not None:
+            self.disk.save(ids, slots)
         row[req.cached_len : req.kv_len] = slots[req.cached_len :].to(torch.int32)
         self.cache.lock(node)
         assert req.cache_node is not None
@@ -103,7 +124,9 @@ class KVManager:
         if self.cache is None:
             self.kv.free(self.req_pool.table[req.req_row, req.cached_len : req.kv_len].to(torch.int64))
         else:
-            self._insert(req)
+            ids = self._insert(req)
+            if self.disk is not None and len(ids) >= BLOCK_TOKENS:
+                self.disk.save(ids, self.cache.match(ids)[0])
             assert req.cache_node is not None
             self.cache.unlock(req.cache_node)
         self.req_pool.free(req.req_row)
@@ -121,6 +144,9 @@ class KVManager:
         return ids
 
     def flush(self) -> int:
+        """Drop every prefix-cache entry nobody holds, and the disk tier's blocks; returns the pool slots freed."""
+        if self.disk is not None:
+            self.disk.flush()
         return self.cache.flush() if self.cache else 0
 
     # ---- checks (tests) ---------------------------------------------------------------------------------

@@ -37,6 +37,15 @@ GRAPH_SOURCES = ("engine/model/*.py", "engine/ops/*.py", "engine/quant/*.py", "e
                  "kernels_fake/*.py", "engine/decode_graphs.py", "engine/forward_batch.py", "engine/model_runner.py")
 
 
+def _digest(parts: list[object]) -> str:
+    """16 hex digits of sha256 over `parts` and the sources whose code ends up in a compiled step."""
+    digest = hashlib.sha256(repr(parts).encode())
+    root = Path(__file__).resolve().parent.parent
+    for src in sorted(p for pattern in GRAPH_SOURCES for p in root.glob(pattern)):
+        digest.update(src.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 class KVMemoryError(MemoryError):
     pass
 
@@ -133,15 +142,19 @@ class ModelRunner:
             return None
         cfg, mc = self.config, self.model_config
         rings = self.window_pool.k[0].shape if self.window_pool is not None else None
-        parts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), repr(mc), cfg.dtype, cfg.cpp_wrapper,
-                 self.weights_tag, "kv slots symbolic",
-                 [tuple(k.shape[1:]) for k in self.k_caches], tuple(self.req_pool.table.shape),
-                 None if rings is None else tuple(rings)]
-        digest = hashlib.sha256(repr(parts).encode())
-        root = Path(__file__).resolve().parent.parent
-        for src in sorted(p for pattern in GRAPH_SOURCES for p in root.glob(pattern)):
-            digest.update(src.read_bytes())
-        return Path(cfg.compile_cache_dir) / "decode-steps" / f"{mc.name}-{digest.hexdigest()[:16]}"
+        digest = _digest([torch.backends.cpu.get_cpu_capability(), cfg.cpp_wrapper, "kv slots symbolic",
+                          tuple(self.req_pool.table.shape), None if rings is None else tuple(rings), *self._kv_parts()])
+        return Path(cfg.compile_cache_dir) / "decode-steps" / f"{mc.name}-{digest}"
+
+    def _kv_parts(self) -> list[object]:
+        return [torch.__version__, repr(self.model_config), self.config.dtype, self.weights_tag,
+                [tuple(k.shape[1:]) for k in self.k_caches]]
+
+    def kv_identity(self, checkpoint_fingerprint: str) -> str:
+        """What cached K/V depend on (the disk tier's key, engine/kv_disk.py): the checkpoint's files, the model, the
+        dtype, the weights' form, the KV shapes and the model and op sources. Not the CPU: replicas on one volume
+        may differ in ISA tier, and K/V computed on another tier differ only in rounding."""
+        return f"{self.model_config.name}|{checkpoint_fingerprint}|{_digest(self._kv_parts())}"
 
     def _load_model(self, checkpoint: LoadedCheckpoint, prepared: PreparedModel | None) -> tuple[LlamaModel, str]:
         """The model from the prepared cache entry when it has this dtype's weights, else from the checkpoint

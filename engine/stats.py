@@ -7,9 +7,11 @@ snapshot, so a reader sees one consistent step, never a queue being modified und
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.kv_disk import DiskStats
 from engine.loader.model_config import ModelConfig
 from engine.request import Pooling
 
@@ -77,6 +79,7 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    kv_disk: DiskStats | None = None  # the prefix cache's disk tier (a copy), None when it is off
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -104,4 +107,5 @@ class EngineStats:
             ready_buckets=tuple(graphs.ready_buckets) if graphs.compiled else (),
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
             spec_verify_steps=spec.verify_steps if spec else 0,
+            kv_disk=dataclasses.replace(kvm.disk.stats) if kvm.disk is not None else None,
         )

@@ -36,7 +36,8 @@ log = logging.getLogger("ember.loader")
 FORMAT = 4  # bump when the prepared files' meaning changes (weight layout, config fields)
 
 
-def _fingerprint(source: Path) -> str:
+def checkpoint_fingerprint(source: Path) -> str:
+    """16 hex digits naming a checkpoint's files: their path, names, sizes and modification times."""
     files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
     parts = [f"{FORMAT}|{torch.__version__}|{transformers.__version__}|{source.resolve()}"]
     parts += [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
@@ -49,7 +50,7 @@ class PreparedModel:
 
     def __init__(self, cache_dir: str | Path, source: Path) -> None:
         self.source = source
-        self.dir = Path(cache_dir) / "models" / f"{source.stem}-{_fingerprint(source)}"
+        self.dir = Path(cache_dir) / "models" / f"{source.stem}-{checkpoint_fingerprint(source)}"
 
     def config(self) -> ModelConfig | None:
         meta = self.dir / "ember.json"

@@ -91,6 +91,22 @@ class EngineCollector(Collector):
                 family = CounterMetricFamily(f"ember:spec_{name}", doc, labels=["drafter"])
                 family.add_metric([info.speculative], value)
                 yield family
+        disk = stats.kv_disk
+        if disk is not None:  # the prefix cache's disk tier (--kv-disk-cache-size)
+            yield _counter("ember:kv_disk_hit_blocks", "Disk-tier KV blocks read back into the pool.", disk.hit_blocks)
+            yield _counter("ember:kv_disk_hit_tokens", "Prompt tokens whose K/V came from the disk tier.",
+                           disk.hit_tokens)
+            yield _counter("ember:kv_disk_miss_lookups", "Admissions that found no disk block past the cache's match.",
+                           disk.miss_lookups)
+            yield _counter("ember:kv_disk_written_bytes", "Bytes of KV blocks written to the disk tier.",
+                           disk.written_bytes)
+            yield _counter("ember:kv_disk_dropped_blocks", "KV blocks not written: the writer was behind.",
+                           disk.dropped_blocks)
+            yield _counter("ember:kv_disk_evicted_files", "Disk-tier files removed to stay within its size.",
+                           disk.evicted_files)
+            yield _counter("ember:kv_disk_bad_files", "Torn, foreign or corrupt disk-tier files removed.",
+                           disk.bad_files)
+            yield _gauge("ember:kv_disk_bytes", "Bytes the disk tier holds.", disk.bytes)
         steps = CounterMetricFamily("ember:decode_steps", "Decode steps run per batch-size bucket.", labels=["bucket"])
         for bucket, n in stats.steps_per_bucket:
             steps.add_metric([str(bucket)], n)

@@ -104,6 +104,10 @@ async def server_info(request: Request) -> dict[str, Any]:
         "max_queued_requests": cfg.max_queued_requests,
         "chunked_prefill_size": cfg.chunked_prefill_size,
         "prefix_cache": not cfg.disable_prefix_cache,
+        # The prefix cache's disk tier: its size limit (MiB, 0 = off) and what it holds and served so far
+        "kv_disk_cache": {"size_mib": cfg.kv_disk_cache_size, "enabled": stats.kv_disk is not None,
+                          **({"bytes": stats.kv_disk.bytes, "hit_tokens": stats.kv_disk.hit_tokens,
+                              "written_bytes": stats.kv_disk.written_bytes} if stats.kv_disk is not None else {})},
         "decode_buckets": list(info.decode_buckets),
         "compiled": info.compiled,
         # Buckets ready to run now (with --compile-in-background the rest are still compiling, largest first).

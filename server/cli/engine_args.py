@@ -71,6 +71,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "when measured step times say it pays (default: %(default)s)")
     g.add_argument("--num-speculative-tokens", type=int, default=7,
                    help="most draft tokens a request verifies per step (default: %(default)s)")
+    g.add_argument("--kv-disk-cache-size", type=int, default=0, metavar="MIB",
+                   help="MiB of the prefix cache's disk tier under --compile-cache-dir: cached K/V is written "
+                        "through and read back on a miss, so it survives restarts and is shared by replicas on one "
+                        "volume; 0 = off (default: %(default)s)")
     g.add_argument("--pooling", default="auto", choices=["auto", "mean", "last"],
                    help="how /v1/embeddings pools a prompt's final hidden states; auto: the model folder's "
                         "sentence-transformers pooling config (last token for Qwen3-Embedding), else mean "
@@ -93,4 +97,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
         disable_prefix_cache=args.disable_prefix_cache, num_threads=args.num_threads, pooling=args.pooling,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        kv_disk_cache_size=args.kv_disk_cache_size,
     )

@@ -41,7 +41,10 @@ from server_harness import (
 )
 
 FUZZED = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/tokenize", "/v1/detokenize", "/v1/embeddings",
-          "/v1/responses")
+          "/v1/responses", "/v1/messages", "/v1/messages/count_tokens")
+ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape, streams end in message_stop
+# Streams that end in a typed last event instead of OpenAI's `data: [DONE]`.
+LAST_EVENT = {"/v1/responses": ("response.completed", "response.incomplete"), "/v1/messages": ("message_stop",)}
 GENERATION = FUZZED[:3]
 EXAMPLES = int(os.environ.get("EMBER_FUZZ_EXAMPLES", "40"))  # cases per operation and pass (more: a deeper run)
 CONTEXT = 128  # --max-context-len: no generated max_tokens can make a case slow
@@ -153,7 +156,33 @@ def steered(vocab: int) -> Callable[[Case], Case]:
 
 
 # ---- what every response must look like ----------------------------------------------------------------------
-def problem_with(response: schemathesis.Response) -> str | None:
+def _error_shape_ok(body: object, path: str) -> bool:
+    if path in ANTHROPIC:  # {"type": "error", "error": {"type": ..., "message": ...}}
+        return (isinstance(body, dict) and body.get("type") == "error" and isinstance(body.get("error"), dict)
+                and {"type", "message"} <= set(body["error"]))
+    return (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict)
+            and set(body["error"]) == ERROR_KEYS)
+
+
+def _stream_problem(response: schemathesis.Response, path: str) -> str | None:
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    if response.stream_cut_short or not events:
+        return "stream cut short or empty"
+    last = LAST_EVENT.get(path)
+    if last is None and events[-1] != "[DONE]":
+        return "stream does not end with [DONE]"
+    try:
+        chunks = [json.loads(e) for e in (events if last else events[:-1])]
+    except ValueError:
+        return "stream event is not JSON"
+    if last is not None and not (isinstance(chunks[-1], dict) and chunks[-1].get("type") in last):
+        return f"stream does not end with {' or '.join(last)}"
+    if any("error" in c or c.get("type") in ("error", "response.failed") for c in chunks if isinstance(c, dict)):
+        return "error event inside a 200 stream"
+    return None
+
+
+def problem_with(response: schemathesis.Response, path: str) -> str | None:
     """Why this response breaks the contract, or None."""
     status = response.status_code
     if status not in EXPECTED:
@@ -163,20 +192,12 @@ def problem_with(response: schemathesis.Response) -> str | None:
             body = response.json()
         except ValueError:
             return "error body is not JSON"
-        if not (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict)
-                and set(body["error"]) == ERROR_KEYS):
-            return "error body not in OpenAI's shape"
+        if not _error_shape_ok(body, path):
+            return f"error body not in {'Anthropic' if path in ANTHROPIC else 'OpenAI'}'s shape"
         return "traceback in the error body" if "Traceback" in response.text else None
     content_type = next((v[0] for k, v in response.headers.items() if k.lower() == "content-type" and v), "")
     if content_type.startswith("text/event-stream"):
-        events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
-        if response.stream_cut_short or not events or events[-1] != "[DONE]":
-            return "stream does not end with [DONE]"
-        try:
-            chunks = [json.loads(e) for e in events[:-1]]
-        except ValueError:
-            return "stream event is not JSON"
-        return "error event inside a 200 stream" if any("error" in c for c in chunks) else None
+        return _stream_problem(response, path)
     try:
         response.json()
     except ValueError:
@@ -197,7 +218,7 @@ def fuzz(server: Server, schema: schemathesis.BaseSchema, path: str, mode: Gener
     def send(case: Case) -> None:
         response = case.call(base_url=server.base_url, session=session, timeout=60)
         statuses[response.status_code] += 1
-        why = problem_with(response)
+        why = problem_with(response, path)
         if why is not None:
             problems.append(f"POST {path} ({mode.value}{', steered' if steer else ''}): {why}\n"
                             f"  body: {json.dumps(case.body, default=repr)[:1500]}\n  response: {response.text[:400]}")

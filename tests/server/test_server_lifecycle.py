@@ -123,7 +123,9 @@ def test_tokens_stream_as_they_are_produced(server: Server) -> None:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     arrivals.append(time.perf_counter() - t0)
-    assert len(arrivals) >= 300  # (a few tokens may share a chunk while text is held back)
+    # One chunk per engine step at least: a step adds one token, or up to 8 with speculative drafts (a random
+    # model's greedy text repeats itself, so most of its drafts are kept), and held-back text may merge a few.
+    assert len(arrivals) >= 40
     assert arrivals[0] < 0.25 * arrivals[-1], (arrivals[0], arrivals[-1])
     assert arrivals[len(arrivals) // 2] < 0.75 * arrivals[-1], (arrivals[len(arrivals) // 2], arrivals[-1])
 
