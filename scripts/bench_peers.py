@@ -192,7 +192,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def bench(name: str, port: int, pid: int, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
     cmd = [PY, "-m", "server.cli", "bench", "--base-url", f"http://127.0.0.1:{port}", "--model", "model",
            "--concurrency", str(concurrency), "--prompt-len", str(args.prompt_len), "--max-tokens",
-           str(args.max_tokens), "--pid", str(pid), "--label", name, "--json", str(out)]
+           str(args.max_tokens), "--pid", str(pid), "--label", name, "--json", str(out),
+           "--num-requests", str(args.requests_per_client * concurrency)]
     if args.workload in ("edit", "extract"):
         cmd += ["--workload", args.workload]
     if args.workload == "multi-turn":
@@ -213,6 +214,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,32", help="client counts (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--requests-per-client", type=int, default=4,
+                   help="measured requests per client at each concurrency, after one warm-up each (default: %(default)s)")
     p.add_argument("--port", type=int, default=18200, help="port of the server under test (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="report folder (default: ~/.cache/ember-peers/results/<date-time>)")
     p.add_argument("--compile-cache-dir", type=Path, default=PEERS_DIR / "ember-compile-cache",
