@@ -43,9 +43,9 @@ class EngineCore:
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_cached(config.model, prepared)
         self.runner = ModelRunner(config, checkpoint, on_bucket, prepared)
         self.max_context = self.runner.max_context
-        # Sliding-window layers keep only each request's last window of K/V (engine/pools.py WindowKVPool), so a
-        # cached prefix would lack their part of it: such models recompute every prompt (docs/models.md).
-        prefix_cache = not config.disable_prefix_cache and self.runner.window_pool is None
+        # With the prefix cache off, sliding-window layers keep only each request's last window of K/V (rings,
+        # engine/pools.py WindowKVPool); with it on, they are in the token pool like the other layers.
+        prefix_cache = not config.disable_prefix_cache
         disk = None
         if prefix_cache and config.kv_disk_cache_size and config.compile_cache_dir:
             identity = self.runner.kv_identity(checkpoint_fingerprint(resolve_model_path(config.model)))
@@ -56,7 +56,7 @@ class EngineCore:
         self.kvm = KVManager(self.runner.kv_pool, self.runner.req_pool, prefix_cache=prefix_cache, disk=disk)
         mc = self.model_config
         # Drafts are verified as extra decode rows of their request; a sliding-window layer's ring would let a later
-        # draft overwrite the position a window back that an earlier row still reads, so window models do not draft.
+        # draft overwrite the position a window back that an earlier row still reads, so rings mean no drafts.
         graphs = self.runner.graphs
         self.speculator = (Speculator(graphs.buckets, lambda b: b in graphs.fns, config.num_speculative_tokens)
                            if config.speculative != "off" and self.runner.window_pool is None else None)

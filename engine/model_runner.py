@@ -97,9 +97,15 @@ class ModelRunner:
 
     def _make_pools(self, config: EngineConfig, mc: ModelConfig) -> None:
         """The request table, the token pool of the full-attention layers and, when the model has sliding-window
-        layers whose window is shorter than the context, their rings; k_caches/v_caches list one buffer per layer."""
+        layers whose window is shorter than the context and the prefix cache is off, their rings; k_caches/v_caches
+        list one buffer per layer.
+
+        With the prefix cache on, window layers keep their K/V in the token pool too (read through a window of the
+        request's row, engine/model/window.py): a cached prefix then carries what its window layers need, at the cost
+        of every layer's K/V per cached token instead of a fixed window per request (docs/models.md)."""
         dtype, rows = config.torch_dtype, config.max_running_requests
-        windowed = sorted(mc.window_layers) if getattr(self.model, "needs_rings", False) else []
+        rings = getattr(self.model, "needs_rings", False) and config.disable_prefix_cache
+        windowed = sorted(mc.window_layers) if rings else []
         full = [i for i in range(mc.num_layers) if i not in windowed]
         ring_bytes = WindowKVPool.bytes_for(rows, mc.sliding_window, len(windowed), mc.num_kv_heads, mc.head_dim,
                                             dtype) if windowed else 0

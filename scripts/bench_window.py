@@ -41,9 +41,11 @@ def runner_for(folder: Path, args: argparse.Namespace, rings: bool) -> ModelRunn
     checkpoint = open_checkpoint(str(folder))
     if not rings:
         checkpoint = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, window_layers=()))
+    # Rings are the window layers' home with the prefix cache off (engine/model_runner.py _make_pools).
     config = EngineConfig(model=str(folder), dtype=args.dtype, max_running_requests=args.batch,
                           max_total_tokens=args.batch * (args.context + args.steps + 1), decode_buckets=(args.batch,),
-                          disable_compile=True, max_context_len=args.context + args.steps + 1)
+                          disable_compile=True, max_context_len=args.context + args.steps + 1,
+                          disable_prefix_cache=rings)
     return ModelRunner(config, checkpoint)
 
 

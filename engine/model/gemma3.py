@@ -5,8 +5,9 @@ Where it differs from the Llama frame it reuses (engine/model/llama.py):
   normed again (post-attention, post-feedforward) before it joins the residual, and the MLP input has its own norm.
 - q/k norms (per head, same (1 + weight) form), GeGLU with the tanh GELU, scores scaled by query_pre_attn_scalar.
 - Embeddings are multiplied by sqrt(hidden) rounded to the serving dtype first (55.4256 is 55.5 in bf16), as HF does.
-- Window layers take the local rope base and see only the last `sliding_window` positions, kept in a ring per
-  request (engine/pools.py WindowKVPool, engine/model/window.py); the full layers take the global base (and scaling).
+- Window layers take the local rope base and see only the last `sliding_window` positions: kept in a ring per
+  request when the prefix cache is off (engine/pools.py WindowKVPool, engine/model/window.py), else in the token pool
+  like the full layers' (so cached prefixes hold them too); the full layers take the global base (and scaling).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from engine.loader.model_config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.model.llama import LlamaModel, _param
 from engine.model.rope import apply_rope
-from engine.model.window import WindowPrefillMeta, window_meta
+from engine.model.window import WindowPoolPrefillMeta, WindowPrefillMeta, pool_window_meta, window_meta
 from engine.ops.linear import embedding, linear
 
 
@@ -46,7 +47,8 @@ class Gemma3Layer(nn.Module):
         self.post_feedforward_layernorm = _param(h)
         self.moe = None  # (the weight loaders ask)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: ForwardBatch | WindowPrefillMeta,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: ForwardBatch | WindowPrefillMeta | WindowPoolPrefillMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, t, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
         h = gemma_norm(x, self.input_layernorm, eps)
@@ -94,9 +96,12 @@ class Gemma3Model(LlamaModel):
         x = x * self.embed_scale.to(x.dtype)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         lcos, lsin = self.local_cos[positions].to(x.dtype), self.local_sin[positions].to(x.dtype)
-        if self.needs_rings and self.ring_table is None:
-            raise RuntimeError("window layers need their rings (use_rings) when the window is shorter than the context")
-        local = batch if self.ring_table is None else window_meta(batch, self.ring_table, cfg.sliding_window)
+        if self.ring_table is not None:
+            local = window_meta(batch, self.ring_table, cfg.sliding_window)
+        elif self.needs_rings:  # no rings: the window layers' K/V are in the token pool (the prefix cache on)
+            local = pool_window_meta(batch, cfg.sliding_window)
+        else:
+            local = batch
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
             if i in self.window_layers:
                 x = layer(x, lcos, lsin, local, k_cache, v_cache)

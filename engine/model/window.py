@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.ops.window_attention import window_prefill_attention
+from engine.ops.window_attention import window_pool_prefill_attention, window_prefill_attention
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,37 @@ def window_meta(batch: ForwardBatch, ring_table: torch.Tensor, window: int) -> F
         return ForwardBatch.decode(batch.input_ids, batch.positions, batch.req_rows, slots,
                                    batch.seq_lens.clamp(max=window), req_to_token=ring_table)
     return WindowPrefillMeta(ring_table, batch.req_rows, batch.prefix_lens, batch.prefill_lens, window)
+
+
+@dataclass(frozen=True)
+class WindowPoolPrefillMeta:
+    """A prefill chunk as a window layer sees it when its K/V live in the token pool (the prefix cache on)."""
+
+    batch: ForwardBatch
+    window: int
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        scale: float
+    ) -> torch.Tensor:
+        b = self.batch
+        assert b.req_to_token is not None and b.prefix_lens is not None and b.prefill_lens is not None
+        return window_pool_prefill_attention(q, k, v, k_cache, v_cache, b.out_slots, b.req_to_token, b.req_rows,
+                                             b.prefix_lens, b.prefill_lens, self.window, scale)
+
+
+def pool_window_meta(batch: ForwardBatch, window: int) -> ForwardBatch | WindowPoolPrefillMeta:
+    """Window layers over the token pool: a decode row attends to the last min(p + 1, window) positions of its
+    request, through a [B, window] table gathered from its request-to-token row (entries past its length are not
+    read), with the same decode op as every layer. Every position keeps its own slot here, so a cached prefix holds
+    what its window layers need, and drafts never overwrite what an earlier row reads."""
+    if not batch.is_decode:
+        return WindowPoolPrefillMeta(batch, window)
+    assert batch.req_to_token is not None and batch.seq_lens is not None
+    first = (batch.positions - (window - 1)).clamp(min=0)
+    columns = (first[:, None] + torch.arange(window, device=first.device)[None, :]).clamp(
+        max=batch.req_to_token.shape[1] - 1)
+    table = batch.req_to_token[batch.req_rows[:, None], columns]  # [B, window] int32
+    rows = torch.arange(batch.positions.shape[0], device=first.device)
+    return ForwardBatch.decode(batch.input_ids, batch.positions, rows, batch.out_slots,
+                               batch.seq_lens.clamp(max=window), req_to_token=table)

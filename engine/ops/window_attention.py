@@ -1,4 +1,5 @@
-"""Prefill attention of a sliding-window layer over its per-request ring (engine/pools.py WindowKVPool).
+"""Prefill attention of a sliding-window layer, over its per-request ring (engine/pools.py WindowKVPool) or, with the
+prefix cache on, over the token pool (`window_pool_prefill_attention`).
 
 A query at position p sees keys at (p - window, p]. A chunk of new tokens at [P, P + n) therefore needs the ring's
 last min(P, window - 1) cached positions plus the chunk itself; those are gathered first, because writing the chunk
@@ -49,6 +50,45 @@ def window_prefill_attention(
         slots = ring_table[row, torch.arange(prefix + ext - keep, prefix + ext) % window].to(torch.int64)
         k_ring.index_copy_(0, slots, kn[ext - keep :])
         v_ring.index_copy_(0, slots, vn[ext - keep :])
+        start += ext
+    return out
+
+
+def window_pool_prefill_attention(
+    q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_slots + 1, KVH, D]: a window layer's buffer of the token pool
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,  # [T] int64
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,  # [N] int64
+    prefix_lens: torch.Tensor,  # [N] int64
+    prefill_lens: torch.Tensor,  # [N] int64
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """A window layer's prefill when its K/V live in the token pool like the full layers' (the prefix cache on): every
+    position has its own slot, so the chunk is written first and each request's queries attend their band over the
+    last min(P, window - 1) cached positions plus the chunk."""
+    k_cache.index_copy_(0, out_slots, k)
+    v_cache.index_copy_(0, out_slots, v)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), prefill_lens.tolist()):
+        old = min(prefix, window - 1)
+        qs = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
+        if not old and ext <= window:  # the whole window is visible: plain causal attention (SDPA's flash path)
+            group = heads // kv_heads
+            kh = k[start : start + ext].transpose(0, 1).repeat_interleave(group, dim=0)
+            vh = v[start : start + ext].transpose(0, 1).repeat_interleave(group, dim=0)
+            o = F.scaled_dot_product_attention(qs[None], kh[None], vh[None], is_causal=True, scale=scale)[0]
+        else:
+            slots = req_to_token[row, prefix - old : prefix + ext].to(torch.int64)
+            o = _banded(qs, k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1), old, window, scale,
+                        heads != kv_heads)
+        out[start : start + ext] = o.transpose(0, 1)
         start += ext
     return out
 

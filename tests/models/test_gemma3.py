@@ -141,12 +141,14 @@ def hf_logits(hf: PreTrainedModel, seq: list[int], prompt_len: int) -> torch.Ten
         return hf(torch.tensor([seq])).logits[0, prompt_len - 1 :]
 
 
+@pytest.mark.parametrize("layout", ["rings", "pool"])
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_and_decode_match_transformers(make_gemma3, case: str) -> None:
+def test_prefill_and_decode_match_transformers(make_gemma3, case: str, layout: str) -> None:
+    """Both homes of the window layers' K/V: per-request rings (the prefix cache off) and the token pool (on)."""
     folder = make_gemma3(case)
     hf = hf_gemma3(folder)
-    runner = make_runner(folder, compile=False)
-    assert runner.window_pool is not None
+    runner = make_runner(folder, compile=False, rings=layout == "rings")
+    assert (runner.window_pool is not None) == (layout == "rings")
     prompts = random_prompts(PROMPTS, hf.config.vocab_size)
     batch = ManualBatch(runner, prompts)
     seqs = batch.decode(DECODE_STEPS)
@@ -172,13 +174,14 @@ def test_the_window_is_what_transformers_masks(make_gemma3) -> None:
     assert (windowed[WINDOW:] - full[WINDOW:]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("layout", ["rings", "pool"])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 8, 9, 40])
-def test_chunked_prefill_matches_one_forward(make_gemma3, chunk: int) -> None:
-    """A 40-token prompt in chunks shorter than, equal to and longer than the window: each chunk must see the ring's
-    cached tail of the window before it overwrites it."""
+def test_chunked_prefill_matches_one_forward(make_gemma3, chunk: int, layout: str) -> None:
+    """A 40-token prompt in chunks shorter than, equal to and longer than the window: each chunk must see the cached
+    tail of the window (in a ring: before it overwrites it)."""
     folder = make_gemma3("window")
     hf = hf_gemma3(folder)
-    runner = make_runner(folder, compile=False)
+    runner = make_runner(folder, compile=False, rings=layout == "rings")
     prompt = random_prompts([40], hf.config.vocab_size, seed=4)[0]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
@@ -196,7 +199,7 @@ def test_window_layers_keep_one_window_per_request(make_gemma3) -> None:
     """Memory: the window layers' buffers hold max_running x window entries (+ the padding slot) whatever the
     context; only the global layers are in the token pool, whose slot size counts them alone."""
     folder = make_gemma3("window")
-    runner = make_runner(folder, compile=False, max_running=4, max_total_tokens=1000)
+    runner = make_runner(folder, compile=False, max_running=4, max_total_tokens=1000, rings=True)
     mc = runner.model_config
     assert mc.window_layers == (0, 1, 3, 4) and mc.sliding_window == WINDOW and runner.max_context == 256
     for i, (k, v) in enumerate(zip(runner.k_caches, runner.v_caches)):
@@ -221,8 +224,9 @@ def test_window_as_long_as_the_context_needs_no_rings(make_gemma3) -> None:
                                hf_logits(hf, seq[:-1], 6), atol=2e-5, rtol=1e-5)
 
 
-def test_output_independent_of_batch_mates_and_padding(make_gemma3) -> None:
-    runner = make_runner(make_gemma3("window"), compile=False)
+@pytest.mark.parametrize("layout", ["rings", "pool"])
+def test_output_independent_of_batch_mates_and_padding(make_gemma3, layout: str) -> None:
+    runner = make_runner(make_gemma3("window"), compile=False, rings=layout == "rings")
     prompts = random_prompts([20, 3, 11], runner.model_config.vocab_size, seed=3)
     together = ManualBatch(runner, prompts)  # 3 rows padded to the 4-bucket
     joint = together.decode(DECODE_STEPS)
@@ -236,12 +240,14 @@ def test_output_independent_of_batch_mates_and_padding(make_gemma3) -> None:
     assert runner.kv_pool.available_size() == runner.kv_pool.num_slots
 
 
-def test_compiled_decode_equals_eager_without_recompiles(make_gemma3) -> None:
+@pytest.mark.parametrize("layout", ["rings", "pool"])
+def test_compiled_decode_equals_eager_without_recompiles(make_gemma3, layout: str) -> None:
     folder = make_gemma3("softcap")
     prompts = random_prompts([20, 3, 11], 320, seed=1)
-    eager = ManualBatch(make_runner(folder, compile=False, buckets=(4,)), prompts)
+    eager = ManualBatch(make_runner(folder, compile=False, buckets=(4,), rings=layout == "rings"), prompts)
     eager_seqs = eager.decode(DECODE_STEPS)
-    runner = make_runner(folder, compile=True, buckets=(4,))
+    torch._dynamo.reset()
+    runner = make_runner(folder, compile=True, buckets=(4,), rings=layout == "rings")
     assert runner.graphs.compiled and set(runner.graphs.compile_seconds) == {4}
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = ManualBatch(runner, prompts)
@@ -251,15 +257,17 @@ def test_compiled_decode_equals_eager_without_recompiles(make_gemma3) -> None:
     assert runner.graphs.steps_per_bucket[4] == DECODE_STEPS
 
 
-def test_engine_matches_transformers_and_reuses_rows(make_gemma3) -> None:
-    """Through the scheduler: 16-token prefill chunks, 6 requests over 2 rows (so rings are reused by later requests
-    and decode batches mix lengths), greedy tokens equal transformers'; no prefix cache for a window model."""
+@pytest.mark.parametrize("cache", [False, True], ids=["rings-no-cache", "pool-prefix-cache"])
+def test_engine_matches_transformers_and_reuses_rows(make_gemma3, cache: bool) -> None:
+    """Through the scheduler: 16-token prefill chunks, 6 requests over 2 rows (so rows, and rings, are reused by
+    later requests and decode batches mix lengths), greedy tokens equal transformers'. With the prefix cache (window
+    layers in the token pool) a shared prefix is reused, window layers included; without it, recomputed."""
     folder = make_gemma3("window")
     hf = hf_gemma3(folder)
-    core = tiny_engine(folder, max_running_requests=2, decode_buckets=(1, 2))
-    assert core.scheduler.kvm.cache is None
+    core = tiny_engine(folder, max_running_requests=2, decode_buckets=(1, 2), disable_prefix_cache=not cache)
+    assert (core.scheduler.kvm.cache is not None) == cache and (core.runner.window_pool is None) == cache
     prompts = random_prompts([40, 5, 23, 40, 9, 17], hf.config.vocab_size, seed=6)
-    prompts[3] = prompts[0][:30] + prompts[3][30:]  # a shared prefix, which is recomputed
+    prompts[3] = prompts[0][:30] + prompts[3][30:]  # a shared prefix
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     streams = Driver(core).run([Arrival(i // 2, f"r{i}", p, params) for i, p in enumerate(prompts)])
     assert_idle_and_empty(core)
@@ -267,6 +275,7 @@ def test_engine_matches_transformers_and_reuses_rows(make_gemma3) -> None:
         got = streams[(f"r{i}", 0)].token_ids
         assert got == hf_logits(hf, prompt + got[:-1], len(prompt)).argmax(-1).tolist()
     assert run_solo(core, prompts[2], params).token_ids == streams[("r2", 0)].token_ids
+    assert (core.kvm.stats.hit_tokens >= 29) == cache  # request 3 found request 0's first 30 tokens cached
 
 
 def test_hf_config(make_gemma3) -> None:
@@ -352,17 +361,37 @@ def test_prepared_config_builds_the_same_model(make_gemma3, tmp_path: Path) -> N
     assert not torch.equal(a.rope_cos, a.local_cos)
 
 
-def test_retraction_recomputes_into_fresh_rings(make_gemma3) -> None:
+@pytest.mark.parametrize("rings", [True, False], ids=["rings", "pool"])
+def test_retraction_recomputes_into_fresh_rings(make_gemma3, rings: bool) -> None:
     """A pool too small for everyone's output: requests are retracted (their rows, and so their rings, go to others)
-    and recomputed from the start, and every output is still the uninterrupted one."""
+    and recomputed (with the prefix cache: from what is still cached), and every output is still the uninterrupted
+    one."""
     folder = make_gemma3("window")
     prompts = random_prompts([12, 30, 7, 21, 16, 9], 320, seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    solo_core = tiny_engine(folder)
+    solo_core = tiny_engine(folder, disable_prefix_cache=rings)
     solos = [run_solo(solo_core, p, params).token_ids for p in prompts]
-    core = tiny_engine(folder, max_total_tokens=120, max_running_requests=4, decode_buckets=(1, 2, 4))
+    core = tiny_engine(folder, max_total_tokens=120 if rings else 200, max_running_requests=4,
+                       decode_buckets=(1, 2, 4), disable_prefix_cache=rings)
     streams = Driver(core, pin_new_token_ratio=0.0).run([Arrival(0, f"r{i}", p, params) for i, p in enumerate(prompts)])
     assert core.scheduler.stats.retractions > 0
     assert_idle_and_empty(core)
     for i, want in enumerate(solos):
         assert streams[(f"r{i}", 0)].token_ids == want
+
+
+def test_speculation_drafts_through_the_window_layers_in_the_token_pool(make_gemma3) -> None:
+    """Window layers in the token pool give every draft row its own slots, so window models draft: the output with
+    speculation (every proposal verified) and the prefix cache equals rings with neither."""
+    folder = make_gemma3("window")
+    prompts = [p * 3 for p in random_prompts([9, 13, 7], 320, seed=12)]  # repeated phrases: the drafter has material
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    arrivals = [Arrival(i, f"r{i}", p, params) for i, p in enumerate(prompts)]
+    want = Driver(tiny_engine(folder, disable_prefix_cache=True)).run(arrivals)
+    core = tiny_engine(folder, speculative="ngram")
+    assert core.speculator is not None and core.runner.window_pool is None
+    core.speculator.planner.cost = lambda rows: 1.0 if rows <= 8 else None  # type: ignore[method-assign]
+    got = Driver(core).run(arrivals)
+    assert_idle_and_empty(core)
+    assert {k: s.token_ids for k, s in got.items()} == {k: s.token_ids for k, s in want.items()}
+    assert core.speculator.stats.accepted > 0
