@@ -44,7 +44,8 @@ class KVMemoryError(MemoryError):
 def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int, pool_layers: int, ring_bytes: int = 0) -> int:
     """Slots of the token pool, whose `pool_layers` layers share the memory budget with the window rings' fixed
     `ring_bytes` (engine/pools.py WindowKVPool)."""
-    per_slot = KVPool.bytes_per_slot(pool_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+    # The KV dtype's bytes, an int8 cache's scales included: int8 fits ~2x the tokens of bf16 in one budget.
+    per_slot = KVPool.bytes_per_slot(pool_layers, mc.num_kv_heads, mc.head_dim, config.kv_torch_dtype)
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     budget = psutil.virtual_memory().available * config.mem_fraction - ring_bytes
@@ -89,7 +90,7 @@ class ModelRunner:
     def _make_pools(self, config: EngineConfig, mc: ModelConfig) -> None:
         """The request table, the token pool of the full-attention layers and, when the model has sliding-window
         layers whose window is shorter than the context, their rings; k_caches/v_caches list one buffer per layer."""
-        dtype, rows = config.torch_dtype, config.max_running_requests
+        dtype, rows = config.kv_torch_dtype, config.max_running_requests  # the KV's storage (--kv-cache-dtype)
         windowed = sorted(mc.window_layers) if getattr(self.model, "needs_rings", False) else []
         full = [i for i in range(mc.num_layers) if i not in windowed]
         ring_bytes = WindowKVPool.bytes_for(rows, mc.sliding_window, len(windowed), mc.num_kv_heads, mc.head_dim,
@@ -106,9 +107,10 @@ class ModelRunner:
             self.model.use_rings(self.window_pool.table)
         self.k_caches = [layers_k[i] for i in range(mc.num_layers)]
         self.v_caches = [layers_v[i] for i in range(mc.num_layers)]
-        per_slot = KVPool.bytes_per_slot(len(full), mc.num_kv_heads, mc.head_dim, dtype)
-        log.info("KV pool: %d slots (%.2f GiB) for %d layers, max context %d, max running requests %d", num_slots,
-                 num_slots * per_slot / 2**30, len(full), self.max_context, rows)
+        per_slot = self.kv_bytes_per_token = KVPool.bytes_per_slot(len(full), mc.num_kv_heads, mc.head_dim, dtype)
+        log.info("KV pool: %d slots of %s (%d bytes a token, %.2f GiB) for %d layers, max context %d, max running "
+                 "requests %d", num_slots, config.kv_cache_dtype_name, per_slot, num_slots * per_slot / 2**30,
+                 len(full), self.max_context, rows)
         if windowed:
             log.info("sliding-window KV: %d layers keep the last %d positions per request, %d rings (%.2f GiB)",
                      len(windowed), mc.sliding_window, rows, ring_bytes / 2**30)
@@ -124,7 +126,8 @@ class ModelRunner:
 
     def _decode_artifact_dir(self) -> Path | None:
         """Where the saved decode steps live: a folder named after everything a compiled step depends on (torch,
-        CPU, model shape, dtype, pool shapes, the engine's model/op/graph sources), so any change compiles anew.
+        CPU, model shape, dtype, KV dtype, pool shapes, the engine's model/op/graph sources), so any change compiles
+        anew.
 
         Not the KV pool's slot count: the steps are compiled with it symbolic (engine/decode_graphs.py), and it
         follows the memory free at start, so keying on it made every restart compile all buckets again. The request
@@ -133,7 +136,8 @@ class ModelRunner:
             return None
         cfg, mc = self.config, self.model_config
         rings = self.window_pool.k[0].shape if self.window_pool is not None else None
-        parts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), repr(mc), cfg.dtype, cfg.cpp_wrapper,
+        parts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), repr(mc), cfg.dtype,
+                 f"kv {cfg.kv_cache_dtype_name}", cfg.cpp_wrapper,
                  self.weights_tag, "kv slots symbolic",
                  [tuple(k.shape[1:]) for k in self.k_caches], tuple(self.req_pool.table.shape),
                  None if rings is None else tuple(rings)]

@@ -39,8 +39,9 @@ def reference_decode_attention(
     slots = req_to_token.index_select(0, req_rows)[:, :max_len].to(torch.int64)  # [B, L]
     # Gather straight into [B, KVH, L, D] so both products below are plain batched matmuls.
     pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # [B, L]
-    # An int8 cache is read in fp32, as the C++ kernels widen it (a bf16 copy would round its values once more).
-    work = torch.float32 if is_quantized(k_cache) else q.dtype
+    # A cache of another dtype than q (int8, or --kv-cache-dtype float32 under bf16) is read in fp32, as the C++ kernels
+    # widen it: a bf16 copy of int8 values would round them once more.
+    work = q.dtype if k_cache.dtype == q.dtype else torch.float32
     keys = gather_rows(k_cache, slots, work).permute(0, 2, 1, 3)  # [B, KVH, L, D]
     # Entries past a row's length may never have been written (a sliding-window ring, engine/pools.py): zero their
     # values, or an uninitialised NaN would survive its zero probability.
@@ -83,10 +84,15 @@ def prefill_attention(
             # A whole prompt (the common case): its keys are this chunk's own k/v (no gather from the pool), and
             # plain causal attention over 4-D inputs with as many K/V heads as query heads is what SDPA sends to its
             # flash kernel; GQA or a mask tensor send it to the math path (128 tokens, 9 heads: 0.46 vs 0.71 ms).
-            # With an int8 cache this attends the chunk's exact K/V; later steps read the quantized copy.
             group = heads // kv_heads
-            keys = k[start : start + ext].transpose(0, 1).repeat_interleave(group, dim=0)  # [H, ext, D]
-            values = v[start : start + ext].transpose(0, 1).repeat_interleave(group, dim=0)
+            kn, vn = k[start : start + ext], v[start : start + ext]
+            if is_quantized(k_cache):
+                # Attend the int8 values every later step reads, not the exact ones: then a prompt's output does not
+                # depend on how it was chunked or how much of it the prefix cache held.
+                kn = gather_rows(k_cache, out_slots[start : start + ext], q.dtype)
+                vn = gather_rows(v_cache, out_slots[start : start + ext], q.dtype)
+            keys = kn.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, ext, D]
+            values = vn.transpose(0, 1).repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(qs[None], keys[None], values[None], is_causal=True, scale=scale)[0]
         else:
             total = prefix + ext

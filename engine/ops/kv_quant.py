@@ -29,7 +29,7 @@ def row_elements(head_dim: int, dtype: torch.dtype) -> int:
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] float -> [..., D + 4] int8 rows with their scale (D a multiple of 4, as every served head size)."""
+    """[..., D] float -> [..., D + 4] int8 rows with their scale."""
     xf = x.float()
     # The C++ writer does these very fp32 operations (x times the reciprocal of absmax * fp32(1/127)), so both round
     # the same values and write the same bytes: a near-tie such as -63.500004 must go the same way in both.
@@ -47,11 +47,11 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """cache[slots] = x, quantized when the cache is int8."""
-    cache.index_copy_(0, slots, quantize_rows(x) if is_quantized(cache) else x)
+    """cache[slots] = x, quantized when the cache is int8 (converted when it is another float type)."""
+    cache.index_copy_(0, slots, quantize_rows(x) if is_quantized(cache) else x.to(cache.dtype))
 
 
 def gather_rows(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cache[slots] in `dtype`: only these rows are dequantized."""
     rows = cache[slots]
-    return dequantize_rows(rows, dtype) if is_quantized(cache) else rows
+    return dequantize_rows(rows, dtype) if is_quantized(cache) else rows.to(dtype)

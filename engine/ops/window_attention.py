@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.ops.kv_quant import dequantize_rows, gather_rows, is_quantized, quantize_rows, write_rows
+
 
 def window_prefill_attention(
     q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
@@ -30,11 +32,16 @@ def window_prefill_attention(
     start = 0
     for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), prefill_lens.tolist()):
         kn, vn = k[start : start + ext], v[start : start + ext]
+        ka, va = kn, vn  # what the chunk's queries attend of the chunk itself
+        if is_quantized(k_ring):  # the int8 values later steps read (see prefill_attention)
+            ka, va = dequantize_rows(quantize_rows(kn), q.dtype), dequantize_rows(quantize_rows(vn), q.dtype)
         old = min(prefix, window - 1)  # cached positions the chunk's first query still sees
-        keys, values = kn, vn
+        keys, values = ka, va
         if old:
             cached = ring_table[row, torch.arange(prefix - old, prefix) % window].to(torch.int64)
-            keys, values = torch.cat([k_ring[cached], kn]), torch.cat([v_ring[cached], vn])
+            # (dequantized here when the ring is int8, --kv-cache-dtype: only these rows)
+            keys = torch.cat([gather_rows(k_ring, cached, q.dtype), ka])
+            values = torch.cat([gather_rows(v_ring, cached, q.dtype), va])
         qs = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
         if not old and ext <= window:
             # The whole window is visible: plain causal attention, SDPA's flash path (see prefill_attention).
@@ -47,8 +54,8 @@ def window_prefill_attention(
         out[start : start + ext] = o.transpose(0, 1)
         keep = min(ext, window)  # the ring keeps the chunk's last `window` positions
         slots = ring_table[row, torch.arange(prefix + ext - keep, prefix + ext) % window].to(torch.int64)
-        k_ring.index_copy_(0, slots, kn[ext - keep :])
-        v_ring.index_copy_(0, slots, vn[ext - keep :])
+        write_rows(k_ring, slots, kn[ext - keep :])
+        write_rows(v_ring, slots, vn[ext - keep :])
         start += ext
     return out
 

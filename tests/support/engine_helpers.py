@@ -13,8 +13,9 @@ from engine.model_runner import ModelRunner
 
 
 def make_runner(model_dir: Path, *, compile: bool, buckets: tuple[int, ...] = (1, 2, 4), max_running: int = 4,
-                dtype: str = "float32", max_total_tokens: int = 4096) -> ModelRunner:
+                dtype: str = "float32", max_total_tokens: int = 4096, kv_cache_dtype: str = "auto") -> ModelRunner:
     config = EngineConfig(model=str(model_dir), dtype=dtype, max_total_tokens=max_total_tokens,
+                          kv_cache_dtype=kv_cache_dtype,
                           max_running_requests=max_running, decode_buckets=buckets, disable_compile=not compile)
     return ModelRunner(config, open_checkpoint(str(model_dir)))
 

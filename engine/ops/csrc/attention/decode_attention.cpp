@@ -29,13 +29,15 @@ namespace {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
-template <typename T>
+// T: the new K/V's type; C: the cache's (T, or another float type with --kv-cache-dtype: converted here).
+template <typename T, typename C>
 void write_kv(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n) {
   const int64_t row = src.size(1) * src.size(2);
   const T* s = src.data_ptr<T>();
-  T* c = cache.data_ptr<T>();
+  C* c = cache.data_ptr<C>();
   for (int64_t i = 0; i < n; ++i) {
-    std::copy(s + i * row, s + (i + 1) * row, c + slots[i] * row);
+    if constexpr (std::is_same_v<T, C>) std::copy(s + i * row, s + (i + 1) * row, c + slots[i] * row);
+    else for (int64_t j = 0; j < row; ++j) c[slots[i] * row + j] = static_cast<C>(to_f(s[i * row + j]));
   }
 }
 
@@ -176,24 +178,34 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
   TORCH_CHECK(out_slots.scalar_type() == at::kLong && req_rows.scalar_type() == at::kLong &&
               seq_lens.scalar_type() == at::kLong, "slots, rows and lengths must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
-  const bool q8 = k_cache.scalar_type() == at::kChar;
+  const bool q8 = k_cache.scalar_type() == at::kChar;  // the int8 cache (its dtype is the only flag)
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches must share a dtype");
-  TORCH_CHECK(q8 ? k_cache.size(2) == q.size(2) + kQ8ScaleBytes : k_cache.scalar_type() == q.scalar_type(),
-              "the KV cache must be q's dtype, or int8 with head_dim + 4 bytes per row (the scale)");
+  TORCH_CHECK(k_cache.size(2) == q.size(2) + (q8 ? kQ8ScaleBytes : 0),
+              "KV cache rows must be head_dim long, or head_dim + 4 bytes for int8 (the scale)");
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const at::Tensor slots = out_slots.contiguous(), rows = req_rows.contiguous(), lens = seq_lens.contiguous();
   const at::Tensor table = req_to_token.contiguous();
   at::Tensor out = at::empty_like(qc);
+  const int64_t* sp = slots.data_ptr<int64_t>();
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    if (q8) {
-      write_kv_q8<T>(kc, k_cache, slots.data_ptr<int64_t>(), slots.numel());
-      write_kv_q8<T>(vc, v_cache, slots.data_ptr<int64_t>(), slots.numel());
-      attend<T, int8_t>(qc, k_cache, v_cache, table, rows, lens, out, scale, isa);
-    } else {
-      write_kv<T>(kc, k_cache, slots.data_ptr<int64_t>(), slots.numel());
-      write_kv<T>(vc, v_cache, slots.data_ptr<int64_t>(), slots.numel());
-      attend<T, T>(qc, k_cache, v_cache, table, rows, lens, out, scale, isa);
+    auto with_cache = [&](auto cache_tag) {  // the cache's storage type, which --kv-cache-dtype picks
+      using C = decltype(cache_tag);
+      if constexpr (std::is_same_v<C, int8_t>) {
+        write_kv_q8<T>(kc, k_cache, sp, slots.numel());
+        write_kv_q8<T>(vc, v_cache, sp, slots.numel());
+      } else {
+        write_kv<T, C>(kc, k_cache, sp, slots.numel());
+        write_kv<T, C>(vc, v_cache, sp, slots.numel());
+      }
+      attend<T, C>(qc, k_cache, v_cache, table, rows, lens, out, scale, isa);
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kChar: with_cache(int8_t{}); break;
+      case at::kFloat: with_cache(float{}); break;
+      case at::kBFloat16: with_cache(c10::BFloat16{}); break;
+      case at::kHalf: with_cache(c10::Half{}); break;
+      default: TORCH_CHECK(false, "KV caches are float32, bfloat16, float16 or int8, got ", k_cache.scalar_type());
     }
   };
   switch (q.scalar_type()) {

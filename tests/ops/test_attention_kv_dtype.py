@@ -1,5 +1,6 @@
-"""The int8 KV cache (engine/ops/kv_quant.py): ember::decode_attention on an int8 cache, on every ISA tier, against the
-Python reference and against full-precision attention over the dequantized cache; prefill over an int8 cache."""
+"""KV caches of another dtype than the activations (--kv-cache-dtype): ember::decode_attention on an int8 cache
+(engine/ops/kv_quant.py), on every ISA tier, against the Python reference and against full-precision attention over the
+dequantized cache; prefill over an int8 cache; float caches of the other float dtype."""
 from __future__ import annotations
 
 import pytest
@@ -113,3 +114,16 @@ def test_q8_decode_traces_under_compile() -> None:
     want = step(q, k, v, kc2, vc2)
     assert torch.equal(kc, kc2)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("isa", EVERY)
+@pytest.mark.parametrize("act,cache", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_decode_with_a_float_cache_of_the_other_dtype(act: torch.dtype, cache: torch.dtype, isa: str) -> None:
+    # --kv-cache-dtype float32 under --dtype bfloat16 and the reverse: the op converts the new K/V into the cache.
+    q, k, v, kc, vc, slots, table, rows, seq = _setup_q8(act, [9, 70], 9, 3, 64, seed=6)
+    kc, vc = dequantize_rows(kc, cache), dequantize_rows(vc, cache)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = torch.ops.ember.decode_attention_isa(q, k, v, kc, vc, slots, table, rows, seq, 0.125, isa)
+    want = attention.reference_decode_attention(q, k, v, kc2, vc2, slots, table, rows, seq, 0.125)
+    assert got.dtype == act and torch.equal(kc, kc2) and torch.equal(kc[slots], k.to(cache))
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
