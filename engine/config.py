@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32", "int8")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,8 @@ class EngineConfig:
     # load (engine/quant/quantize.py), int4 in groups of quant_group_size inputs
     quantization: str = "auto"
     quant_group_size: int = 32
-    # The KV cache's storage. auto: the serving dtype; int8: per (token, KV head) absmax scale, about 2x the tokens of
-    # bf16 in the same memory (engine/ops/kv_quant.py)
+    # The KV cache's storage. auto: the serving dtype; int8 / fp8_e4m3: a byte a value and an absmax scale per
+    # (token, KV head), about 2x the tokens of bf16 in the same memory (engine/ops/kv_quant.py)
     kv_cache_dtype: str = "auto"
     max_total_tokens: int | None = None  # KV slots; None = sized from available memory
     mem_fraction: float = 0.3  # of available memory given to the KV pool when max_total_tokens is unset
@@ -105,4 +105,5 @@ class EngineConfig:
 
         if self.kv_cache_dtype == "auto":
             return self.torch_dtype
-        return {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}[self.kv_cache_dtype]
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
+                "fp8_e4m3": torch.float8_e4m3fn}[self.kv_cache_dtype]

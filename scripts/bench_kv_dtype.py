@@ -8,7 +8,7 @@ on the values), then `--steps` decode steps run on all requests together. Prints
 bytes each step reads, and the median step time of each, with the ratios.
 
   python scripts/bench_kv_dtype.py                     # batch 8, 8192 positions each, 8 steps
-  python scripts/bench_kv_dtype.py --context 4096 --layers 12
+  python scripts/bench_kv_dtype.py --context 4096 --layers 12 --kv bfloat16 int8 fp8_e4m3
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
 from engine.loader import open_checkpoint
 from engine.model_runner import ModelRunner
-from engine.ops.kv_quant import quantize_rows
+from engine.ops.kv_quant import is_quantized, quantize_rows
 
 
 def write_model(folder: Path, layers: int, context: int) -> Path:
@@ -45,9 +45,10 @@ def fill(runner: ModelRunner, batch: int, context: int) -> list[int]:
     g = torch.Generator().manual_seed(1)
     kvh, dim = runner.model_config.num_kv_heads, runner.model_config.head_dim
     layer = torch.randn(runner.kv_pool.num_slots + 1, kvh, dim, generator=g)
-    rows_of = quantize_rows(layer) if runner.kv_pool.dtype == torch.int8 else layer.to(runner.kv_pool.dtype)
+    dtype = runner.kv_pool.dtype
+    rows_of = quantize_rows(layer, dtype) if is_quantized(runner.k_caches[0]) else layer.to(dtype)
     for cache in (*runner.k_caches, *runner.v_caches):
-        cache.copy_(rows_of)
+        cache.view(torch.uint8).copy_(rows_of.view(torch.uint8))  # (bytes: fp8 tensors have no copy kernel here)
     for i in range(batch):
         row = runner.req_pool.allocate()
         assert row is not None
@@ -77,11 +78,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192, help="positions each request already holds")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--kv", nargs="+", default=["bfloat16", "int8"], help="KV dtypes to time; bfloat16 first")
     args = ap.parse_args()
     results: dict[str, tuple[int, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_model(Path(tmp) / "smollm2-shaped", args.layers, args.context)
-        for kv in ("bfloat16", "int8"):
+        for kv in args.kv:
             config = EngineConfig(model=str(folder), dtype="bfloat16", kv_cache_dtype=kv, quantization="none",
                                   max_running_requests=args.batch, decode_buckets=(args.batch,), disable_compile=True,
                                   max_total_tokens=args.batch * (args.context + args.steps + 1),
@@ -92,11 +94,12 @@ def main() -> None:
             del runner
     print(f"batch {args.batch}, {args.context} positions each, {args.layers} layers, bf16 activations, eager, "
           f"torch threads {torch.get_num_threads()}")
-    print(f"{'KV':10} {'bytes/token':>12} {'KV MiB read/step':>17} {'decode ms/step':>15}")
+    print(f"{'KV':18} {'bytes/token':>12} {'KV MiB read/step':>17} {'decode ms/step':>15}")
     for kv, (per_token, ms) in results.items():
-        print(f"{kv:10} {per_token:12d} {per_token * args.batch * args.context / 2**20:17.0f} {ms:15.1f}")
-    (b_bytes, b_ms), (q_bytes, q_ms) = results["bfloat16"], results["int8"]
-    print(f"{'bf16/int8':10} {b_bytes / q_bytes:11.2f}x {'':17} {b_ms / q_ms:14.2f}x")
+        print(f"{kv:18} {per_token:12d} {per_token * args.batch * args.context / 2**20:17.0f} {ms:15.1f}")
+    b_bytes, b_ms = results[args.kv[0]]
+    for kv, (per_token, ms) in list(results.items())[1:]:
+        print(f"{args.kv[0] + '/' + kv:18} {b_bytes / per_token:11.2f}x {'':17} {b_ms / ms:14.2f}x")
 
 
 if __name__ == "__main__":

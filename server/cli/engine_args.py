@@ -38,9 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "quantize a checkpoint's weights at load (default: %(default)s)")
     g.add_argument("--quant-group-size", type=int, default=32, choices=[32, 128],
                    help="inputs per scale for --quantization int4 (default: %(default)s)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8"],
-                   help="KV cache storage; auto: --dtype; int8: a scale per token and KV head, about 2x the tokens "
-                        "of bfloat16 (3.8x of float32) in the same memory (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8", "fp8_e4m3"],
+                   help="KV cache storage; auto: --dtype; int8 / fp8_e4m3: a byte a value and a scale per token and KV "
+                        "head, about 2x the tokens of bfloat16 (3.8x of float32) in the same memory "
+                        "(default: %(default)s)")
     g.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV pool size in tokens (default: sized from available memory with --mem-fraction)")
     g.add_argument("--mem-fraction", type=float, default=0.3,

@@ -55,6 +55,7 @@ def test_kv_cache_dtype_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatc
     assert config.kv_cache_dtype == "int8" and config.kv_cache_dtype_name == "int8"
     assert EngineConfig(dtype="float32").kv_cache_dtype_name == "float32"  # auto: the serving dtype
     assert EngineConfig().kv_cache_dtype_name == "bfloat16"
+    assert str(EngineConfig(dtype="float32", kv_cache_dtype="fp8_e4m3").kv_torch_dtype) == "torch.float8_e4m3fn"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
 

@@ -1,6 +1,6 @@
-"""--kv-cache-dtype on whole runners and engines of a tiny random Llama: int8 KV decodes what full-precision KV does,
-the pool holds as many more tokens as the bytes say, compiled steps equal eager ones, and retraction and the prefix
-cache keep every KV slot owned exactly once (the slot-partition check after every step)."""
+"""--kv-cache-dtype on whole runners and engines of a tiny random Llama: int8 (and fp8) KV decodes what full-precision
+KV does, the pool holds as many more tokens as the bytes say, compiled steps equal eager ones, and retraction and the
+prefix cache keep every KV slot owned exactly once (the slot-partition check after every step)."""
 from __future__ import annotations
 
 import logging
@@ -27,20 +27,25 @@ def folder(make_tiny_model: MakeTinyModel) -> Path:
     return make_tiny_model("llama")
 
 
-def test_int8_kv_decodes_what_full_precision_kv_does(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+# fp8 keeps 3 mantissa bits to int8's ~7: looser logits, and one more prompt that leaves full precision off a near-tie.
+@pytest.mark.parametrize("kv,storage,cosine,err,whole", [("int8", torch.int8, 0.9999, 0.05, 3),
+                                                         ("fp8_e4m3", torch.float8_e4m3fn, 0.999, 0.15, 2)])
+def test_int8_kv_decodes_what_full_precision_kv_does(folder: Path, caplog: pytest.LogCaptureFixture, kv: str,
+                                                     storage: torch.dtype, cosine: float, err: float,
+                                                     whole: int) -> None:
     full = ManualBatch(make_runner(folder, compile=False), PROMPTS)
     want = full.decode(24)
     with caplog.at_level(logging.INFO, logger="ember.runner"):
-        runner = make_runner(folder, compile=False, kv_cache_dtype="int8")
-    assert "KV pool: 4096 slots of int8 (160 bytes a token" in caplog.text  # 2 layers x K, V x 2 heads x (16 + 4)
-    assert runner.k_caches[0].dtype == torch.int8 and runner.k_caches[0].shape[-1] == 16 + 4
+        runner = make_runner(folder, compile=False, kv_cache_dtype=kv)
+    assert f"KV pool: 4096 slots of {kv} (160 bytes a token" in caplog.text  # 2 layers x K, V x 2 heads x (16 + 4)
+    assert runner.k_caches[0].dtype == storage and runner.k_caches[0].shape[-1] == 16 + 4
     q8 = ManualBatch(runner, PROMPTS)
     got = q8.decode(24)
     # Every step's logits close and the same greedy token, up to a divergence off a near-tie of the full-precision
-    # logits (here prompt 3 at its 4th token, top two 0.002 apart); the other prompts agree over all 24 tokens.
-    worst = assert_greedy_close([q8.prefill_logits, *q8.step_logits], [full.prefill_logits, *full.step_logits], 0.9999)
-    assert 0 < worst < 0.05  # int8 rounding shows, a little
-    assert sum(g == w for g, w in zip(got, want)) >= 3
+    # logits (int8: prompt 3 at its 4th token, top two 0.002 apart); `whole` prompts agree over all 24 tokens.
+    worst = assert_greedy_close([q8.prefill_logits, *q8.step_logits], [full.prefill_logits, *full.step_logits], cosine)
+    assert 0 < worst < err  # the rounding shows, a little
+    assert sum(g == w for g, w in zip(got, want)) >= whole
 
 
 @pytest.mark.parametrize("dtype,ratio", [("float32", 4 * 16 / 20), ("bfloat16", 2 * 16 / 20)])
@@ -56,14 +61,16 @@ def test_the_pool_holds_more_tokens_by_the_ratio_of_bytes(folder: Path, dtype: s
         return size_kv_pool(config, mc, 256, mc.num_layers)
 
     assert slots("int8") / slots("auto") == pytest.approx(ratio, rel=1e-3)
+    assert slots("fp8_e4m3") == slots("int8")
     assert KVPool.bytes_per_slot(2, 2, 16, torch.int8) == 2 * 2 * 2 * 20
     assert slots("bfloat16") == slots("auto") * (2 if dtype == "float32" else 1)
 
 
-def test_compiled_step_equals_eager_with_int8_kv(folder: Path) -> None:
-    want = ManualBatch(make_runner(folder, compile=False, kv_cache_dtype="int8"), PROMPTS)
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_compiled_step_equals_eager_with_int8_kv(folder: Path, kv: str) -> None:
+    want = ManualBatch(make_runner(folder, compile=False, kv_cache_dtype=kv), PROMPTS)
     want_seqs = want.decode(10)
-    compiled = make_runner(folder, compile=True, buckets=(4,), kv_cache_dtype="int8")
+    compiled = make_runner(folder, compile=True, buckets=(4,), kv_cache_dtype=kv)
     assert compiled.graphs.compiled and compiled.graphs.ready_buckets == [4]
     got = ManualBatch(compiled, PROMPTS)
     assert got.decode(10) == want_seqs
@@ -81,21 +88,22 @@ def test_saved_steps_are_keyed_by_the_kv_dtype(folder: Path, tmp_path: Path) -> 
 
         return ModelRunner(config, open_checkpoint(str(folder)))._decode_artifact_dir()
 
-    dirs = {kv: artifact_dir(kv) for kv in ("auto", "float32", "bfloat16", "int8")}
+    dirs = {kv: artifact_dir(kv) for kv in ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")}
     assert dirs["auto"] == dirs["float32"]  # auto is the serving dtype: the same steps
-    assert len({dirs["float32"], dirs["bfloat16"], dirs["int8"]}) == 3
+    assert len({dirs["float32"], dirs["bfloat16"], dirs["int8"], dirs["fp8_e4m3"]}) == 4
 
 
-def test_int8_kv_engine_with_prefix_cache_and_retraction_keeps_the_slot_partition(folder: Path) -> None:
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_int8_kv_engine_with_prefix_cache_and_retraction_keeps_the_slot_partition(folder: Path, kv: str) -> None:
     # The prefix-cache workload (shared prefixes, repeats, n > 1, aborts) in a pool small enough to evict and retract;
     # Driver runs KVManager.check after every step. The oracle: the same int8 engine with the cache off.
     from test_prefix_cache import _completed, shared_prefix_workload
 
     arrivals, aborts = shared_prefix_workload(5)
-    off = tiny_engine(folder, kv_cache_dtype="int8", disable_prefix_cache=True)
+    off = tiny_engine(folder, kv_cache_dtype=kv, disable_prefix_cache=True)
     expected = _completed(Driver(off).run(arrivals, aborts=aborts))
-    on = tiny_engine(folder, kv_cache_dtype="int8", max_total_tokens=220)
-    assert on.runner.kv_pool.dtype == torch.int8
+    on = tiny_engine(folder, kv_cache_dtype=kv, max_total_tokens=220)
+    assert on.runner.kv_pool.dtype == on.config.kv_torch_dtype != torch.float32
     got = _completed(Driver(on, pin_new_token_ratio=0.0).run(arrivals, aborts=aborts))
     common = expected.keys() & got.keys()
     assert len(common) > 0.8 * len(expected)

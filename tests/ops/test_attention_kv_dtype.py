@@ -12,14 +12,18 @@ from engine.ops.kv_quant import dequantize_rows, quantize_rows
 from isa_tiers import EVERY
 
 
-def _setup_q8(dtype: torch.dtype, lens: list[int], heads: int, kv_heads: int, dim: int, seed: int = 0):
+SCALED = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
+
+
+def _setup_q8(dtype: torch.dtype, lens: list[int], heads: int, kv_heads: int, dim: int, seed: int = 0,
+              kv: torch.dtype = torch.int8):
     g = torch.Generator().manual_seed(seed)
     b, slots_total, ctx = len(lens), 600, 160
     # Rows of very different magnitudes: each (slot, head) row gets its own scale, so a shared one would show.
     mag = torch.rand(slots_total + 1, kv_heads, 1, generator=g) * 4 + 0.05
-    k_cache = quantize_rows(torch.randn(slots_total + 1, kv_heads, dim, generator=g) * mag)
-    v_cache = quantize_rows(torch.randn(slots_total + 1, kv_heads, dim, generator=g) * mag)
-    k_cache[0], v_cache[0] = 0, 0  # the padding slot, zeroed as KVPool does
+    k_cache = quantize_rows(torch.randn(slots_total + 1, kv_heads, dim, generator=g) * mag, kv)
+    v_cache = quantize_rows(torch.randn(slots_total + 1, kv_heads, dim, generator=g) * mag, kv)
+    k_cache[0].zero_(), v_cache[0].zero_()  # the padding slot, zeroed as KVPool does
     table = torch.zeros(b + 1, ctx, dtype=torch.int32)
     perm = torch.randperm(slots_total, generator=g) + 1  # scattered slots
     used = 0
@@ -35,7 +39,12 @@ def _setup_q8(dtype: torch.dtype, lens: list[int], heads: int, kv_heads: int, di
     return q, k, v, k_cache, v_cache, out_slots, table, rows, seq
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)  # (torch.equal has no fp8 kernel; bytes are what must match)
+
+
 def test_quantize_rows_round_trip_is_within_half_a_step() -> None:
+    # int8: an absolute step of absmax / 127 everywhere in the row.
     x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
     x[7, 1] = 0  # an all-zero row: scale 0, values 0, no NaN
     rows = quantize_rows(x)
@@ -47,25 +56,40 @@ def test_quantize_rows_round_trip_is_within_half_a_step() -> None:
     assert bool((rows[..., :64] != 0).any(-1).sum() > 140)  # values are spread over the int8 range, not all 0
 
 
+def test_fp8_rows_keep_three_mantissa_bits() -> None:
+    # fp8 e4m3: a relative step of 2^-3 (half of it lost at most) down to e4m3's subnormals, absmax mapped to 448.
+    x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
+    rows = quantize_rows(x, torch.float8_e4m3fn)
+    assert rows.dtype == torch.float8_e4m3fn and rows.shape == (50, 3, 68)
+    back = dequantize_rows(rows, torch.float32)
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    assert bool(((back - x).abs() <= x.abs() / 16 + scale * 2**-9 + 1e-6).all())
+    torch.testing.assert_close(back.abs().amax(-1), x.abs().amax(-1))  # the largest value is exact (448 is e4m3)
+
+
+@pytest.mark.parametrize("kv", SCALED)
 @pytest.mark.parametrize("isa", EVERY)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 128), (6, 2, 48), (2, 1, 80)])
 def test_native_q8_decode_matches_reference(dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int,
-                                            isa: str) -> None:
+                                            isa: str, kv: torch.dtype) -> None:
     # The same head sizes as the unquantized test: vector kernels for 32/64/80/128, 48 portable on AVX-512.
     assert attention.NATIVE_DECODE_ATTENTION, "this machine has a C++ compiler: the native op must be built"
-    q, k, v, kc, vc, slots, table, rows, seq = _setup_q8(dtype, [1, 17, 150, 40, 3, 9], heads, kv_heads, dim)
+    q, k, v, kc, vc, slots, table, rows, seq = _setup_q8(dtype, [1, 17, 150, 40, 3, 9], heads, kv_heads, dim, kv=kv)
     kc2, vc2 = kc.clone(), vc.clone()
     got = torch.ops.ember.decode_attention_isa(q, k, v, kc, vc, slots, table, rows, seq, 0.17, isa)
     want = attention.reference_decode_attention(q, k, v, kc2, vc2, slots, table, rows, seq, 0.17)
     # Both quantized this step's K/V into the same bytes (values and scales), and nothing else changed.
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert _bytes(kc).equal(_bytes(kc2)) and _bytes(vc).equal(_bytes(vc2))
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("kv,bound", [pytest.param(torch.int8, 0.05, id="int8"),
+                                      pytest.param(torch.float8_e4m3fn, 0.3, id="fp8")])
 @pytest.mark.parametrize("isa", EVERY)
-def test_q8_decode_equals_full_precision_attention_over_the_dequantized_cache(isa: str) -> None:
-    q, k, v, kc, vc, slots, table, rows, seq = _setup_q8(torch.float32, [5, 33, 130], 9, 3, 64, seed=3)
+def test_q8_decode_equals_full_precision_attention_over_the_dequantized_cache(isa: str, kv: torch.dtype,
+                                                                              bound: float) -> None:
+    q, k, v, kc, vc, slots, table, rows, seq = _setup_q8(torch.float32, [5, 33, 130], 9, 3, 64, seed=3, kv=kv)
     got = torch.ops.ember.decode_attention_isa(q, k, v, kc, vc, slots, table, rows, seq, 0.125, isa)
     # After the op wrote the new rows, the dequantized cache is exactly what it attended over.
     kd, vd = dequantize_rows(kc, torch.float32), dequantize_rows(vc, torch.float32)
@@ -77,7 +101,7 @@ def test_q8_decode_equals_full_precision_attention_over_the_dequantized_cache(is
     kf, vf = kd.clone(), vd.clone()
     full = attention.reference_decode_attention(q, k, v, kf, vf, slots, table, rows, seq, 0.125)
     err = (got - full).abs().max().item()
-    assert 0 < err < 0.05, err
+    assert 0 < err < bound, err
 
 
 def test_q8_prefill_over_a_cached_prefix_reads_the_quantized_rows() -> None:

@@ -6,8 +6,8 @@
 // small aten calls around the gather cost ~0.5 ms per call, more than the math at small batch sizes.
 // Layout (engine/pools.py): k_cache/v_cache [num_slots + 1, kv_heads, head_dim]; req_to_token
 // [rows, max_context] int32 maps (row, position) -> slot. The new K/V are written first, so a token sees itself.
-// An int8 cache ([num_slots + 1, kv_heads, head_dim + 4], decode_attention.h) is told apart by its dtype: the new K/V
-// are quantized into it (symmetric absmax per head-row, as engine/ops/kv_quant.py) and the kernels read it as is.
+// An int8 or fp8 cache ([num_slots + 1, kv_heads, head_dim + 4], decode_attention.h) is told apart by its dtype: the
+// new K/V are quantized into it (attention/kv_write.h, as engine/ops/kv_quant.py) and the kernels read it as is.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attention/decode_attention.h"
+#include "attention/kv_write.h"
 #include "common/cpu_isa.h"
 
 namespace ember {
@@ -29,55 +30,23 @@ namespace {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
-// T: the new K/V's type; C: the cache's (T, or another float type with --kv-cache-dtype: converted here).
-template <typename T, typename C>
-void write_kv(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n) {
-  const int64_t row = src.size(1) * src.size(2);
-  const T* s = src.data_ptr<T>();
-  C* c = cache.data_ptr<C>();
-  for (int64_t i = 0; i < n; ++i) {
-    if constexpr (std::is_same_v<T, C>) std::copy(s + i * row, s + (i + 1) * row, c + slots[i] * row);
-    else for (int64_t j = 0; j < row; ++j) c[slots[i] * row + j] = static_cast<C>(to_f(s[i * row + j]));
-  }
-}
-
-// Quantizes each [kv_heads, D] row of src into the int8 cache: q = round(x / s), s = absmax * (1/127), the scale after
-// the row's values. Same fp32 operations, in the same order, as engine/ops/kv_quant.py quantize_rows, so the native
-// op and the Python reference write identical bytes (rounding: nearbyint, half to even, as torch.round).
-// Built without -ffast-math (which the extension otherwise uses): it would fold the scale's constant into the reciprocal
-// and round different fp32 values than the reference does.
-template <typename T>
-__attribute__((optimize("no-fast-math"))) void write_kv_q8(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n) {
-  const int64_t KVH = src.size(1), D = src.size(2), R = D + kQ8ScaleBytes;
-  const T* s = src.data_ptr<T>();
-  int8_t* c = cache.data_ptr<int8_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t h = 0; h < KVH; ++h) {
-      const T* x = s + (i * KVH + h) * D;
-      int8_t* out = c + (slots[i] * KVH + h) * R;
-      float amax = 0.f;
-      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_f(x[d])));
-      const float scale = amax * static_cast<float>(1.0 / 127.0);  // as kv_quant.py: the product, not a division
-      const float inv = scale > 0.f ? 1.0f / scale : 0.f;  // x * inv, as kv_quant.py
-      for (int64_t d = 0; d < D; ++d) {
-        const float r = std::nearbyint(to_f(x[d]) * inv);
-        out[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
-      }
-      std::memcpy(out + D, &scale, sizeof(float));
-    }
-  }
-}
-
-inline float row_scale(const int8_t* row, int64_t D) { return q8_scale(row, D); }
+// The 1-byte caches with a scale per row: int8 and fp8 e4m3 (decode_attention.h, engine/ops/kv_quant.py).
 template <typename C>
-inline float row_scale(const C*, int64_t) { return 1.f; }
+constexpr bool kScaled = std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn>;
+template <typename C>
+constexpr int64_t extra() { return kScaled<C> ? kQ8ScaleBytes : 0; }  // row_extra of c10's types
+template <typename C>
+inline float row_scale(const C* row, int64_t D) {
+  if constexpr (kScaled<C>) return q8_scale(reinterpret_cast<const int8_t*>(row), D);
+  else return 1.f;
+}
 
 // The portable path (the scalar tier, or a head size without a vector kernel): same math, one element at a time.
-// C: the cache's storage type (T, or int8_t for the int8 cache, whose rows are D + 4 bytes and carry a scale).
+// C: the cache's storage type (T, another float type, or int8 / fp8, whose rows are D + 4 bytes and carry a scale).
 template <typename C>
 void attend_scalar(const float* qf, int64_t G, int64_t D, const C* kp, const C* vp, const int32_t* slots, int64_t L,
                    int64_t KVH, int64_t kh, std::vector<float>& scores, float* kv_row, float* acc) {
-  const int64_t R = D + row_extra<C>();
+  const int64_t R = D + extra<C>();
   scores.assign(G * L, 0.f);
   for (int64_t l = 0; l < L; ++l) {
     const C* krow = kp + (static_cast<int64_t>(slots[l]) * KVH + kh) * R;
@@ -112,12 +81,13 @@ void attend_scalar(const float* qf, int64_t G, int64_t D, const C* kp, const C* 
 // The tier's vector kernel for this storage type and head size, or nullptr (the portable loop).
 template <typename T>
 auto vector_kernel(Isa isa, int64_t D) {
-  AttentionKernels table{nullptr, nullptr, nullptr, nullptr};
+  AttentionKernels table{nullptr, nullptr, nullptr, nullptr, nullptr};
   if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) table = attention_kernels_avx512();
   else if (isa == Isa::kAvx2) table = attention_kernels_avx2();
   if constexpr (std::is_same_v<T, float>) return table.f32 ? table.f32(D) : nullptr;
   else if constexpr (std::is_same_v<T, c10::BFloat16>) return table.bf16 ? table.bf16(D) : nullptr;
   else if constexpr (std::is_same_v<T, int8_t>) return table.q8 ? table.q8(D) : nullptr;
+  else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) return table.fp8 ? table.fp8(D) : nullptr;
   else return table.f16 ? table.f16(D) : nullptr;
 }
 
@@ -131,16 +101,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const T* qp = q.data_ptr<T>();
   const C* kp = k_cache.data_ptr<C>();
   const C* vp = v_cache.data_ptr<C>();
-  const int64_t R = D + row_extra<C>();  // a cache row's elements
+  const int64_t R = D + extra<C>();  // a cache row's elements
   const int32_t* table = req_to_token.data_ptr<int32_t>();
   const int64_t* rows = req_rows.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const auto fast = vector_kernel<C>(isa, D);
-  // The kernels see c10's 2-byte types as the layout-identical Bf16 / Half of common/dtypes.h.
+  // The kernels see c10's types as the layout-identical Bf16 / Half / Fp8E4M3 of common/dtypes.h.
   using Raw = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, int8_t>, C,
-                                 std::conditional_t<std::is_same_v<C, c10::BFloat16>, Bf16, Half>>;
+              std::conditional_t<std::is_same_v<C, c10::BFloat16>, Bf16,
+              std::conditional_t<std::is_same_v<C, c10::Half>, Half, Fp8E4M3>>>;
   const Raw* kraw = reinterpret_cast<const Raw*>(kp);
   const Raw* vraw = reinterpret_cast<const Raw*>(vp);
 
@@ -178,7 +149,8 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
   TORCH_CHECK(out_slots.scalar_type() == at::kLong && req_rows.scalar_type() == at::kLong &&
               seq_lens.scalar_type() == at::kLong, "slots, rows and lengths must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
-  const bool q8 = k_cache.scalar_type() == at::kChar;  // the int8 cache (its dtype is the only flag)
+  // int8 and fp8 caches (their dtype is the only flag) have rows of head_dim + 4 bytes, the scale last
+  const bool q8 = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches must share a dtype");
   TORCH_CHECK(k_cache.size(2) == q.size(2) + (q8 ? kQ8ScaleBytes : 0),
               "KV cache rows must be head_dim long, or head_dim + 4 bytes for int8 (the scale)");
@@ -191,9 +163,9 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
     using T = decltype(tag);
     auto with_cache = [&](auto cache_tag) {  // the cache's storage type, which --kv-cache-dtype picks
       using C = decltype(cache_tag);
-      if constexpr (std::is_same_v<C, int8_t>) {
-        write_kv_q8<T>(kc, k_cache, sp, slots.numel());
-        write_kv_q8<T>(vc, v_cache, sp, slots.numel());
+      if constexpr (kScaled<C>) {
+        write_kv_scaled<T, C>(kc, k_cache, sp, slots.numel());
+        write_kv_scaled<T, C>(vc, v_cache, sp, slots.numel());
       } else {
         write_kv<T, C>(kc, k_cache, sp, slots.numel());
         write_kv<T, C>(vc, v_cache, sp, slots.numel());
@@ -202,10 +174,12 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
     };
     switch (k_cache.scalar_type()) {
       case at::kChar: with_cache(int8_t{}); break;
+      case at::kFloat8_e4m3fn: with_cache(c10::Float8_e4m3fn{}); break;
       case at::kFloat: with_cache(float{}); break;
       case at::kBFloat16: with_cache(c10::BFloat16{}); break;
       case at::kHalf: with_cache(c10::Half{}); break;
-      default: TORCH_CHECK(false, "KV caches are float32, bfloat16, float16 or int8, got ", k_cache.scalar_type());
+      default: TORCH_CHECK(false, "KV caches are float32, bfloat16, float16, int8 or float8_e4m3fn, got ",
+                           k_cache.scalar_type());
     }
   };
   switch (q.scalar_type()) {

@@ -16,7 +16,10 @@ template <typename T>
 constexpr int64_t row_extra() { return 0; }
 template <>
 constexpr int64_t row_extra<int8_t>() { return kQ8ScaleBytes; }
-inline float q8_scale(const int8_t* row, int64_t D) {
+template <>
+constexpr int64_t row_extra<Fp8E4M3>() { return kQ8ScaleBytes; }  // the fp8 cache: the same layout, e4m3 values
+template <typename T>  // T: int8_t or Fp8E4M3 (one byte a value)
+inline float q8_scale(const T* row, int64_t D) {
   float s;
   __builtin_memcpy(&s, row + D, sizeof(float));
   return s;
@@ -36,6 +39,7 @@ struct AttentionKernels {
   AttendOne<Bf16> (*bf16)(int64_t head_dim);
   AttendOne<Half> (*f16)(int64_t head_dim);
   AttendOne<int8_t> (*q8)(int64_t head_dim);  // the int8 cache: dequantized in registers, never copied out
+  AttendOne<Fp8E4M3> (*fp8)(int64_t head_dim);  // the fp8 e4m3 cache, likewise
 };
 
 AttentionKernels attention_kernels_avx2();

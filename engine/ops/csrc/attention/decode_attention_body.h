@@ -2,7 +2,7 @@
 // decode_attention_avx2.cpp and decode_attention_avx512.cpp inside their ISA's target region.
 // Scores W keys at a time (one dot product per lane, finished by one transposing reduction), softmax numerators
 // with a vector exp, then probs . V with the G query heads' accumulators in registers.
-// The int8 cache (T = int8_t, decode_attention.h) widens each row to fp32 in registers and applies its scale once per
+// The int8 and fp8 caches (T = int8_t or Fp8E4M3, decode_attention.h) widen each row to fp32 in registers and applies its scale once per
 // key: to the key's score after the dot product, and to the key's probability before it weights the value row.
 // No std:: templates here (see linear/linear_bf16_body.h for why).
 #pragma once
@@ -29,7 +29,7 @@ struct AttentionBody {
   static void attend_one(const float* qf, int64_t G, const T* kp, const T* vp, const int32_t* slots, int64_t L,
                          int64_t kv_stride, int64_t kh, float* scores, float* out) {
     constexpr int64_t D = NC * W;
-    constexpr int64_t kQ8 = ember::row_extra<T>();  // 4: the int8 cache, each row's fp32 scale after its D values
+    constexpr int64_t kQ8 = ember::row_extra<T>();  // 4: int8 / fp8 caches, each row's fp32 scale after its values
     constexpr int64_t RB = (D + kQ8) * sizeof(T);  // a row's bytes, what the prefetches cover
     const int64_t Lp = (L + 15) / 16 * 16;
     auto row = [&](const T* base, int64_t l) {
@@ -116,7 +116,7 @@ struct AttentionBody {
   }
 
   static ember::AttentionKernels kernels() {
-    return {for_head_dim<float>, for_head_dim<Bf16>, for_head_dim<Half>, for_head_dim<int8_t>};
+    return {for_head_dim<float>, for_head_dim<Bf16>, for_head_dim<Half>, for_head_dim<int8_t>, for_head_dim<Fp8E4M3>};
   }
 };
 
