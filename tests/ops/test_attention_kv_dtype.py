@@ -151,3 +151,25 @@ def test_decode_with_a_float_cache_of_the_other_dtype(act: torch.dtype, cache: t
     want = attention.reference_decode_attention(q, k, v, kc2, vc2, slots, table, rows, seq, 0.125)
     assert got.dtype == act and torch.equal(kc, kc2) and torch.equal(kc[slots], k.to(cache))
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("isa", EVERY)
+def test_every_fp8_code_is_read_exactly(isa: str) -> None:
+    # A request whose one visible key is a crafted row attends to it alone (probability 1), so the output is that
+    # value row as the kernel widened it: 4 rows of 64 hold all 256 e4m3 codes (the two NaN codes as zeros), scale 1.
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    vals = codes.to(torch.uint8).view(4, 1, 64)
+    one = torch.tensor([1.0]).view(torch.uint8).expand(4, 1, 4)
+    vc = torch.cat([vals, one], dim=-1).view(torch.float8_e4m3fn)
+    vc = torch.cat([torch.zeros(1, 1, 68, dtype=torch.uint8).view(torch.float8_e4m3fn), vc])  # slot 0: the scratch
+    kc = vc.view(torch.uint8).clone().view(torch.float8_e4m3fn)
+    table = torch.zeros(5, 4, dtype=torch.int32)
+    table[1:, 0] = torch.arange(1, 5, dtype=torch.int32)
+    rows, seq = torch.arange(1, 5), torch.ones(4, dtype=torch.int64)
+    q, k = torch.randn(4, 1, 64), torch.zeros(4, 1, 64)
+    # The step's own K/V go to slot 0, which no request reads here (its table row points past it).
+    out = torch.ops.ember.decode_attention_isa(q, k, k, kc, vc, torch.zeros(4, dtype=torch.int64), table, rows, seq,
+                                               0.1, isa)
+    want = vals.view(torch.float8_e4m3fn).float()
+    assert torch.equal(out, want), (out - want).abs().max()

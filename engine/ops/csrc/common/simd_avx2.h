@@ -27,9 +27,8 @@ struct Avx2 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static F load(const Fp8E4M3* p) {  // 8 fp8 e4m3 -> fp32: as fp16 bits, see Avx512::load(const Fp8E4M3*)
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+    const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<short>(0xBFFF)));
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
   }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
