@@ -40,8 +40,9 @@ class ReqToTokenPool:
 class KVPool:
     """Per-layer K and V buffers [num_slots + 1, kv_heads, head_dim] and the free-slot allocator.
 
-    dtype torch.int8 / float8_e4m3fn is the int8 / fp8 cache (--kv-cache-dtype): rows of head_dim + 4 bytes, each row's
-    fp32 scale in its last 4 (engine/ops/kv_quant.py), so the scales live in the same per-layer buffers and need no list of their own.
+    dtype torch.int8 / float8_e4m3fn is the int8 / fp8 cache (--kv-cache-dtype): rows of head_dim + 4 bytes, each
+    row's fp32 scale in its last 4 (engine/ops/kv_quant.py), so the scales live in the same per-layer buffers and need
+    no list of their own.
 
     One tensor per layer (not one for all layers): inductor then writes the new K/V in place instead of
     cloning a layer's slice of a shared buffer every step (docs/design.md §4).
@@ -64,7 +65,7 @@ class KVPool:
 
     @staticmethod
     def bytes_per_slot(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K and V of one token over `num_layers` layers, the int8 cache's scales included."""
+        """K and V of one token over `num_layers` layers, an int8 / fp8 cache's scales included."""
         return 2 * num_layers * kv_heads * row_elements(head_dim, dtype) * dtype.itemsize
 
     def available_size(self) -> int:

@@ -7,8 +7,9 @@ Layout invariants (see engine/pools.py):
   k_cache, v_cache: [num_slots + 1, kv_heads, head_dim] for ONE layer; slot 0 is the padding slot.
   req_to_token:     [max_running + 1, max_context] int32; row 0 is the padding row and maps to slot 0.
 Both ops first write this step's K/V into `out_slots`, then attend, so a token sees itself.
-An int8 or fp8 cache (--kv-cache-dtype) is [num_slots + 1, kv_heads, head_dim + 4] of that dtype, each row's scale in
-its last 4 bytes (engine/ops/kv_quant.py): the ops quantize this step's K/V into it and read it back dequantized per row.
+An int8 or fp8 cache (--kv-cache-dtype) is [num_slots + 1, kv_heads, head_dim + 4] of that dtype, each row's scale
+in its last 4 bytes (engine/ops/kv_quant.py): the ops quantize this step's K/V into it, and read it back dequantized
+per row.
 """
 from __future__ import annotations
 

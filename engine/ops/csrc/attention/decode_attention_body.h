@@ -2,8 +2,9 @@
 // decode_attention_avx2.cpp and decode_attention_avx512.cpp inside their ISA's target region.
 // Scores W keys at a time (one dot product per lane, finished by one transposing reduction), softmax numerators
 // with a vector exp, then probs . V with the G query heads' accumulators in registers.
-// The int8 and fp8 caches (T = int8_t or Fp8E4M3, decode_attention.h) widen each row to fp32 in registers and applies its scale once per
-// key: to the key's score after the dot product, and to the key's probability before it weights the value row.
+// The int8 and fp8 caches (T = int8_t or Fp8E4M3, decode_attention.h): each row is widened to fp32 in registers and
+// its scale applied once per key: to the key's score after the dot product, and to the key's probability before it
+// weights the value row.
 // No std:: templates here (see linear/linear_bf16_body.h for why).
 #pragma once
 

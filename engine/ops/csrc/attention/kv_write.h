@@ -28,7 +28,9 @@ void write_kv(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, in
     if constexpr (std::is_same_v<T, C>) {
       std::copy(s + i * row, s + (i + 1) * row, c + slots[i] * row);
     } else {
-      for (int64_t j = 0; j < row; ++j) c[slots[i] * row + j] = static_cast<C>(kv_write_detail::to_float(s[i * row + j]));
+      for (int64_t j = 0; j < row; ++j) {
+        c[slots[i] * row + j] = static_cast<C>(kv_write_detail::to_float(s[i * row + j]));
+      }
     }
   }
 }
