@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 SPECULATIVE_MODES: tuple[str, ...] = ("ngram", "off")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class EngineConfig:
     # load (engine/quant/quantize.py), int4 in groups of quant_group_size inputs
     quantization: str = "auto"
     quant_group_size: int = 32
+    # The KV cache's storage. auto: the serving dtype; int8 / fp8_e4m3: a byte a value and an absmax scale per
+    # (token, KV head), about 2x the tokens of bf16 in the same memory (engine/ops/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     max_total_tokens: int | None = None  # KV slots; None = sized from available memory
     mem_fraction: float = 0.3  # of available memory given to the KV pool when max_total_tokens is unset
     max_running_requests: int = 32
@@ -51,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quant_group_size not in (32, 128):
             raise ValueError(f"quant_group_size must be 32 or 128, got {self.quant_group_size}")
         if self.max_running_requests < 1:
@@ -101,3 +107,18 @@ class EngineConfig:
         if self.dtype == "auto":
             raise ValueError("dtype auto has no torch dtype before resolved() picks one")
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """--kv-cache-dtype with auto made concrete (the serving dtype): what /get_server_info and the log show."""
+        return self.resolved().dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def kv_torch_dtype(self) -> "torch.dtype":  # noqa: F821
+        """The KV pool's storage dtype (torch.int8: the int8 layout of engine/ops/kv_quant.py)."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
+                "fp8_e4m3": torch.float8_e4m3fn}[self.kv_cache_dtype]

@@ -98,7 +98,9 @@ class DiskKVStore:
             if self._path(name).exists():
                 continue
             span = slots[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS]
-            payload = torch.stack([torch.stack((k[span], v[span])) for k, v in zip(self.kv.k, self.kv.v)])
+            # As bytes: the same for every KV dtype (fp8 has no stack kernel; int8 rows carry their scale inside)
+            payload = torch.stack([torch.stack((k.view(torch.uint8)[span], v.view(torch.uint8)[span]))
+                                   for k, v in zip(self.kv.k, self.kv.v)])
             try:
                 self._queue.put_nowait((name, list(ids[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS]), payload))
             except queue.Full:
@@ -117,8 +119,8 @@ class DiskKVStore:
         self._queue.task_done()
 
     def _write(self, name: str, tokens: list[int], payload: torch.Tensor) -> None:
-        raw = payload.contiguous().view(torch.uint8).numpy().tobytes()
-        header = json.dumps({"identity": self.identity, "tokens": tokens, "dtype": str(payload.dtype),
+        raw = payload.numpy().tobytes()
+        header = json.dumps({"identity": self.identity, "tokens": tokens, "dtype": str(self.kv.k[0].dtype),
                              "shape": list(payload.shape), "crc32": zlib.crc32(raw)}).encode()
         path = self._path(name)
         tmp = path.with_name(f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -156,8 +158,8 @@ class DiskKVStore:
             if slots is None:
                 break
             for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
-                k[slots] = payload[layer, 0, skip:]
-                v[slots] = payload[layer, 1, skip:]
+                k.view(torch.uint8)[slots] = payload[layer, 0, skip:]
+                v.view(torch.uint8)[slots] = payload[layer, 1, skip:]
             parts.append(slots)
             covered = (j + 1) * BLOCK_TOKENS
             self.stats.hit_blocks += 1
@@ -198,12 +200,12 @@ class DiskKVStore:
             return None
         raw = data[12 + hlen :]
         k0 = self.kv.k[0]
-        want_shape = [len(self.kv.k), 2, BLOCK_TOKENS, *k0.shape[1:]]
+        want_shape = [len(self.kv.k), 2, BLOCK_TOKENS, *k0.view(torch.uint8).shape[1:]]  # bytes, see `save`
         if (header.get("identity") != self.identity or header.get("tokens") != tokens
                 or header.get("dtype") != str(k0.dtype) or header.get("shape") != want_shape
-                or header.get("crc32") != zlib.crc32(raw) or len(raw) != k0.element_size() * _numel(want_shape)):
+                or header.get("crc32") != zlib.crc32(raw) or len(raw) != _numel(want_shape)):
             return None
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(k0.dtype).view(want_shape)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(want_shape)
 
     # ---- size, flush ------------------------------------------------------------------------------------
     def _files(self) -> list[tuple[float, int, Path]]:

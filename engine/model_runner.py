@@ -53,7 +53,8 @@ class KVMemoryError(MemoryError):
 def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int, pool_layers: int, ring_bytes: int = 0) -> int:
     """Slots of the token pool, whose `pool_layers` layers share the memory budget with the window rings' fixed
     `ring_bytes` (engine/pools.py WindowKVPool)."""
-    per_slot = KVPool.bytes_per_slot(pool_layers, mc.num_kv_heads, mc.head_dim, config.torch_dtype)
+    # The KV dtype's bytes, an int8 cache's scales included: int8 fits ~2x the tokens of bf16 in one budget.
+    per_slot = KVPool.bytes_per_slot(pool_layers, mc.num_kv_heads, mc.head_dim, config.kv_torch_dtype)
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     budget = psutil.virtual_memory().available * config.mem_fraction - ring_bytes
@@ -103,7 +104,7 @@ class ModelRunner:
         With the prefix cache on, window layers keep their K/V in the token pool too (read through a window of the
         request's row, engine/model/window.py): a cached prefix then carries what its window layers need, at the cost
         of every layer's K/V per cached token instead of a fixed window per request (docs/models.md)."""
-        dtype, rows = config.torch_dtype, config.max_running_requests
+        dtype, rows = config.kv_torch_dtype, config.max_running_requests  # the KV's storage (--kv-cache-dtype)
         rings = getattr(self.model, "needs_rings", False) and config.disable_prefix_cache
         windowed = sorted(mc.window_layers) if rings else []
         full = [i for i in range(mc.num_layers) if i not in windowed]
@@ -121,9 +122,10 @@ class ModelRunner:
             self.model.use_rings(self.window_pool.table)
         self.k_caches = [layers_k[i] for i in range(mc.num_layers)]
         self.v_caches = [layers_v[i] for i in range(mc.num_layers)]
-        per_slot = KVPool.bytes_per_slot(len(full), mc.num_kv_heads, mc.head_dim, dtype)
-        log.info("KV pool: %d slots (%.2f GiB) for %d layers, max context %d, max running requests %d", num_slots,
-                 num_slots * per_slot / 2**30, len(full), self.max_context, rows)
+        per_slot = self.kv_bytes_per_token = KVPool.bytes_per_slot(len(full), mc.num_kv_heads, mc.head_dim, dtype)
+        log.info("KV pool: %d slots of %s (%d bytes a token, %.2f GiB) for %d layers, max context %d, max running "
+                 "requests %d", num_slots, config.kv_cache_dtype_name, per_slot, num_slots * per_slot / 2**30,
+                 len(full), self.max_context, rows)
         if windowed:
             log.info("sliding-window KV: %d layers keep the last %d positions per request, %d rings (%.2f GiB)",
                      len(windowed), mc.sliding_window, rows, ring_bytes / 2**30)
@@ -139,7 +141,8 @@ class ModelRunner:
 
     def _decode_artifact_dir(self) -> Path | None:
         """Where the saved decode steps live: a folder named after everything a compiled step depends on (torch,
-        CPU, model shape, dtype, pool shapes, the engine's model/op/graph sources), so any change compiles anew.
+        CPU, model shape, dtype, KV dtype, pool shapes, the engine's model/op/graph sources), so any change compiles
+        anew.
 
         Not the KV pool's slot count: the steps are compiled with it symbolic (engine/decode_graphs.py), and it
         follows the memory free at start, so keying on it made every restart compile all buckets again. The request
@@ -153,8 +156,8 @@ class ModelRunner:
         return Path(cfg.compile_cache_dir) / "decode-steps" / f"{mc.name}-{digest}"
 
     def _kv_parts(self) -> list[object]:
-        return [torch.__version__, repr(self.model_config), self.config.dtype, self.weights_tag,
-                [tuple(k.shape[1:]) for k in self.k_caches]]
+        return [torch.__version__, repr(self.model_config), self.config.dtype, f"kv {self.config.kv_cache_dtype_name}",
+                self.weights_tag, [tuple(k.shape[1:]) for k in self.k_caches]]
 
     def kv_identity(self, checkpoint_fingerprint: str) -> str:
         """What cached K/V depend on (the disk tier's key, engine/kv_disk.py): the checkpoint's files, the model, the

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.ops.kv_quant import row_elements
+
 
 class ReqToTokenPool:
     """[size + 1, max_context] int32 map (request row, position) -> KV slot. Row 0 is the padding row."""
@@ -38,17 +40,22 @@ class ReqToTokenPool:
 class KVPool:
     """Per-layer K and V buffers [num_slots + 1, kv_heads, head_dim] and the free-slot allocator.
 
+    dtype torch.int8 / float8_e4m3fn is the int8 / fp8 cache (--kv-cache-dtype): rows of head_dim + 4 bytes, each
+    row's fp32 scale in its last 4 (engine/ops/kv_quant.py), so the scales live in the same per-layer buffers and need
+    no list of their own.
+
     One tensor per layer (not one for all layers): inductor then writes the new K/V in place instead of
     cloning a layer's slice of a shared buffer every step (docs/design.md §4).
     """
 
     def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        self.num_slots = num_slots
-        shape = (num_slots + 1, kv_heads, head_dim)
+        self.num_slots, self.dtype = num_slots, dtype
+        shape = (num_slots + 1, kv_heads, row_elements(head_dim, dtype))
         # empty(), not zeros(): zeros() writes every page, so a 5 GiB pool was 5 GiB resident from the start;
         # untouched pages of an empty() pool cost address space only. Every slot is written before it is read,
         # except through positions past a request's length that still map to slot 0 (the Python reference
-        # attention reads those and masks them): slot 0 is zeroed so they hold finite values, never NaN.
+        # attention reads those and masks them): slot 0 is zeroed so they hold finite values, never NaN (an int8
+        # row of zeros is zeros with scale 0).
         self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
         for t in (*self.k, *self.v):
@@ -58,7 +65,8 @@ class KVPool:
 
     @staticmethod
     def bytes_per_slot(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+        """K and V of one token over `num_layers` layers, an int8 / fp8 cache's scales included."""
+        return 2 * num_layers * kv_heads * row_elements(head_dim, dtype) * dtype.itemsize
 
     def available_size(self) -> int:
         return int(self._free.numel())
@@ -108,7 +116,7 @@ class WindowKVPool:
         self.table = torch.zeros(rows + 1, window, dtype=torch.int32)  # (row, position % window) -> slot
         for r in range(1, rows + 1):
             self.table[r] = (r - 1) * window + 1 + entries
-        shape = (rows * window + 1, kv_heads, head_dim)
+        shape = (rows * window + 1, kv_heads, row_elements(head_dim, dtype))  # (int8: as KVPool)
         # empty(), as KVPool: the ring entries a request has not written yet are never attended to (the reference
         # decode attention masks their values too), so their pages need not be touched before use.
         self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]

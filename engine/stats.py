@@ -24,6 +24,8 @@ class EngineInfo:
     model_config: ModelConfig
     max_context: int
     kv_slots: int
+    kv_dtype: str  # --kv-cache-dtype, auto made concrete
+    kv_bytes_per_token: int  # one token's K and V over the pool's layers (an int8 cache's scales included)
     max_running_requests: int
     decode_buckets: tuple[int, ...]
     compiled: bool
@@ -42,7 +44,8 @@ class EngineInfo:
 
         runner = core.runner
         return cls(model_config=core.model_config, max_context=core.max_context,
-                   kv_slots=runner.kv_pool.num_slots, max_running_requests=core.config.max_running_requests,
+                   kv_slots=runner.kv_pool.num_slots, kv_dtype=core.config.kv_cache_dtype_name,
+                   kv_bytes_per_token=runner.kv_bytes_per_token, max_running_requests=core.config.max_running_requests,
                    decode_buckets=tuple(runner.graphs.buckets), compiled=runner.graphs.compiled,
                    packed_linear=bool(runner.model.packed), weights_tag=runner.weights_tag,
                    weight_bytes=runner.weight_bytes, file_bytes=runner.file_bytes,

@@ -1,4 +1,7 @@
-"""Fake kernels for `ember::decode_attention` and `ember::prefill_attention`: output shape = q's shape."""
+"""Fake kernels for `ember::decode_attention` and `ember::prefill_attention`: output shape = q's shape.
+
+Whatever the caches hold (--kv-cache-dtype: q's dtype, the other float dtype, or int8 rows of head_dim + 4 bytes with
+their scale, or the same in float8_e4m3fn: engine/ops/kv_quant.py), the output is q's shape and dtype, so one fake serves every KV dtype."""
 from __future__ import annotations
 
 import torch

@@ -3,7 +3,7 @@
 can be compared on the same GGUF file.
 
     .venv/bin/python scripts/perplexity.py FILE.gguf [FILE.gguf ...] [--text scripts/data/gpl-3.txt]
-        [--quantization auto] [--dtype bfloat16] [--ctx 512] [--llama-tokenize PATH]
+        [--quantization auto] [--dtype bfloat16] [--ctx 512] [--llama-tokenize PATH] [--kv-cache-dtype int8]
 
 llama-perplexity's rule (tools/perplexity/perplexity.cpp, default flags): the text (one trailing newline dropped)
 is tokenized once, cut into floor(n / ctx) chunks of ctx tokens, each evaluated from an empty KV cache; only the
@@ -30,6 +30,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.loader import load_tokenizer, open_checkpoint  # noqa: E402
 from engine.forward_batch import ForwardBatch, PrefillChunk  # noqa: E402
 from engine.model.weights import build_model  # noqa: E402
+from engine.ops.kv_quant import row_elements  # noqa: E402
 from engine.quant.module import describe_weights  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "gpl-3.txt"
@@ -48,12 +49,12 @@ def token_ids(path: Path, text: str, llama_tokenize: str | None) -> list[int]:
 
 @torch.no_grad()
 def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: int,
-               rows_per_call: int = 0) -> tuple[float, float, str]:
+               rows_per_call: int = 0, kv_cache_dtype: str = "auto") -> tuple[float, float, str]:
     """rows_per_call: 0 runs each context as one prefill (every linear call has ctx rows: the kernels' many-row
     path); N > 0 runs it in chunks of N tokens over the growing KV cache, so every linear call has N rows: with
     N < 16 the few-row path that decode steps take (int8 activations in ember::linear_gguf), scored on the same
-    tokens."""
-    cfg = EngineConfig(model=str(path), dtype=dtype, quantization=quantization)
+    tokens. kv_cache_dtype: the KV cache's storage (--kv-cache-dtype; int8 / fp8 rows carry their scale)."""
+    cfg = EngineConfig(model=str(path), dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     ck = open_checkpoint(str(path))
     keep, mode = cfg.quantization_plan(ck.quantized_source)
     model = build_model(ck.config, ck.tensors(keep), cfg.torch_dtype, ctx, quantize=mode, group=cfg.quant_group_size)
@@ -63,7 +64,8 @@ def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: i
     step = rows_per_call
     for c in range(len(ids) // ctx):
         chunk = torch.tensor(ids[c * ctx:(c + 1) * ctx])
-        k = [torch.zeros(ctx, mc.num_kv_heads, mc.head_dim, dtype=cfg.torch_dtype) for _ in range(mc.num_layers)]
+        kv_dtype, row = cfg.kv_torch_dtype, row_elements(mc.head_dim, cfg.kv_torch_dtype)
+        k = [torch.zeros(ctx, mc.num_kv_heads, row, dtype=kv_dtype) for _ in range(mc.num_layers)]
         v = [torch.zeros_like(t) for t in k]
         # The unscored first half fills the cache in one call (its numerics do not count), then the scored
         # positions first .. ctx - 2 go in calls of `step` rows.
@@ -92,6 +94,7 @@ def main() -> int:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8", "fp8_e4m3"])
     p.add_argument("--llama-tokenize", default=None, help="llama.cpp's llama-tokenize, for its token ids")
     p.add_argument("--rows-per-call", type=int, default=0,
                    help="score in chunks of this many tokens (< 16: the decode kernels' path); 0: one prefill")
@@ -102,8 +105,10 @@ def main() -> int:
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in args.files:
         ids = token_ids(path, text, args.llama_tokenize)
-        ppl, err, weights = perplexity(path, ids, args.quantization, args.dtype, args.ctx, args.rows_per_call)
-        print(f"| {path.name} | {args.quantization} | {args.dtype} | {args.rows_per_call or args.ctx} | {len(ids)} | "
+        ppl, err, weights = perplexity(path, ids, args.quantization, args.dtype, args.ctx, args.rows_per_call,
+                                       args.kv_cache_dtype)
+        print(f"| {path.name} | {args.quantization} | {args.dtype} / KV {args.kv_cache_dtype} | "
+              f"{args.rows_per_call or args.ctx} | {len(ids)} | "
               f"{len(ids) // args.ctx} | "
               f"{ppl:.4f} +- {err:.4f} | {weights} |", flush=True)
     return 0

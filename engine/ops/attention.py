@@ -7,12 +7,16 @@ Layout invariants (see engine/pools.py):
   k_cache, v_cache: [num_slots + 1, kv_heads, head_dim] for ONE layer; slot 0 is the padding slot.
   req_to_token:     [max_running + 1, max_context] int32; row 0 is the padding row and maps to slot 0.
 Both ops first write this step's K/V into `out_slots`, then attend, so a token sees itself.
+An int8 or fp8 cache (--kv-cache-dtype) is [num_slots + 1, kv_heads, head_dim + 4] of that dtype, each row's scale
+in its last 4 bytes (engine/ops/kv_quant.py): the ops quantize this step's K/V into it, and read it back dequantized
+per row.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from engine.ops.kv_quant import gather_rows, is_quantized, write_rows
 from engine.ops.native import NATIVE_OPS
 
 
@@ -28,24 +32,27 @@ def reference_decode_attention(
     seq_lens: torch.Tensor,  # [B] int64, including this step's token
     scale: float,
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, out_slots, k)
-    v_cache.index_copy_(0, out_slots, v)
+    write_rows(k_cache, out_slots, k)
+    write_rows(v_cache, out_slots, v)
     bsz, heads, dim = q.shape
     kv_heads = k.shape[1]
     max_len = int(seq_lens.max())
     slots = req_to_token.index_select(0, req_rows)[:, :max_len].to(torch.int64)  # [B, L]
     # Gather straight into [B, KVH, L, D] so both products below are plain batched matmuls.
     pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # [B, L]
-    keys = k_cache[slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
+    # A cache of another dtype than q (int8, or --kv-cache-dtype float32 under bf16) is read in fp32, as the C++ kernels
+    # widen it: a bf16 copy of int8 values would round them once more.
+    work = q.dtype if k_cache.dtype == q.dtype else torch.float32
+    keys = gather_rows(k_cache, slots, work).permute(0, 2, 1, 3)  # [B, KVH, L, D]
     # Entries past a row's length may never have been written (a sliding-window ring, engine/pools.py): zero their
     # values, or an uninitialised NaN would survive its zero probability.
-    values = v_cache[slots].masked_fill(pad[:, :, None, None], 0).permute(0, 2, 1, 3)
-    qg = q.view(bsz, kv_heads, heads // kv_heads, dim)  # GQA: query groups share one KV head
+    values = gather_rows(v_cache, slots, work).masked_fill(pad[:, :, None, None], 0).permute(0, 2, 1, 3)
+    qg = q.to(work).view(bsz, kv_heads, heads // kv_heads, dim)  # GQA: query groups share one KV head
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [B, KVH, G, D]
-    return out.reshape(bsz, heads, dim)
+    return out.reshape(bsz, heads, dim).to(q.dtype)
 
 
 NATIVE_DECODE_ATTENTION = NATIVE_OPS
@@ -66,8 +73,8 @@ def prefill_attention(
     prefill_lens: torch.Tensor,  # [N] int64: new tokens of each request in this chunk
     scale: float,
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, out_slots, k)
-    v_cache.index_copy_(0, out_slots, v)
+    write_rows(k_cache, out_slots, k)
+    write_rows(v_cache, out_slots, v)
     heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     start = 0
@@ -79,14 +86,21 @@ def prefill_attention(
             # plain causal attention over 4-D inputs with as many K/V heads as query heads is what SDPA sends to its
             # flash kernel; GQA or a mask tensor send it to the math path (128 tokens, 9 heads: 0.46 vs 0.71 ms).
             group = heads // kv_heads
-            keys = k[start : start + ext].transpose(0, 1).repeat_interleave(group, dim=0)  # [H, ext, D]
-            values = v[start : start + ext].transpose(0, 1).repeat_interleave(group, dim=0)
+            kn, vn = k[start : start + ext], v[start : start + ext]
+            if is_quantized(k_cache):
+                # Attend the int8 values every later step reads, not the exact ones: then a prompt's output does not
+                # depend on how it was chunked or how much of it the prefix cache held.
+                kn = gather_rows(k_cache, out_slots[start : start + ext], q.dtype)
+                vn = gather_rows(v_cache, out_slots[start : start + ext], q.dtype)
+            keys = kn.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, ext, D]
+            values = vn.transpose(0, 1).repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(qs[None], keys[None], values[None], is_causal=True, scale=scale)[0]
         else:
             total = prefix + ext
             slots = req_to_token[row, :total].to(torch.int64)
-            keys = k_cache[slots].transpose(0, 1)  # [KVH, total, D]
-            values = v_cache[slots].transpose(0, 1)
+            # This request's rows only (dequantized here when the cache is int8), never the whole pool.
+            keys = gather_rows(k_cache, slots, q.dtype).transpose(0, 1)  # [KVH, total, D]
+            values = gather_rows(v_cache, slots, q.dtype).transpose(0, 1)
             # Query i sits at absolute position prefix + i and sees keys 0..prefix + i. A continued prompt (chunked
             # prefill, a prefix-cache hit): 4-D inputs keep SDPA on its flash kernel even with GQA and a mask; 3-D
             # ones sent it to the math path, 2-3x slower (1000 cached + 64 new tokens: 5.8 vs 10.5 ms per layer).

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.ops.kv_quant import dequantize_rows, gather_rows, is_quantized, quantize_rows, write_rows
+
 
 def window_prefill_attention(
     q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
@@ -31,11 +33,16 @@ def window_prefill_attention(
     start = 0
     for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), prefill_lens.tolist()):
         kn, vn = k[start : start + ext], v[start : start + ext]
+        ka, va = kn, vn  # what the chunk's queries attend of the chunk itself
+        if is_quantized(k_ring):  # the int8 values later steps read (see prefill_attention)
+            ka, va = dequantize_rows(quantize_rows(kn), q.dtype), dequantize_rows(quantize_rows(vn), q.dtype)
         old = min(prefix, window - 1)  # cached positions the chunk's first query still sees
-        keys, values = kn, vn
+        keys, values = ka, va
         if old:
             cached = ring_table[row, torch.arange(prefix - old, prefix) % window].to(torch.int64)
-            keys, values = torch.cat([k_ring[cached], kn]), torch.cat([v_ring[cached], vn])
+            # (dequantized here when the ring is int8, --kv-cache-dtype: only these rows)
+            keys = torch.cat([gather_rows(k_ring, cached, q.dtype), ka])
+            values = torch.cat([gather_rows(v_ring, cached, q.dtype), va])
         qs = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
         if not old and ext <= window:
             # The whole window is visible: plain causal attention, SDPA's flash path (see prefill_attention).
@@ -48,8 +55,8 @@ def window_prefill_attention(
         out[start : start + ext] = o.transpose(0, 1)
         keep = min(ext, window)  # the ring keeps the chunk's last `window` positions
         slots = ring_table[row, torch.arange(prefix + ext - keep, prefix + ext) % window].to(torch.int64)
-        k_ring.index_copy_(0, slots, kn[ext - keep :])
-        v_ring.index_copy_(0, slots, vn[ext - keep :])
+        write_rows(k_ring, slots, kn[ext - keep :])
+        write_rows(v_ring, slots, vn[ext - keep :])
         start += ext
     return out
 
@@ -70,9 +77,10 @@ def window_pool_prefill_attention(
 ) -> torch.Tensor:
     """A window layer's prefill when its K/V live in the token pool like the full layers' (the prefix cache on): every
     position has its own slot, so the chunk is written first and each request's queries attend their band over the
-    last min(P, window - 1) cached positions plus the chunk."""
-    k_cache.index_copy_(0, out_slots, k)
-    v_cache.index_copy_(0, out_slots, v)
+    last min(P, window - 1) cached positions plus the chunk. With an int8 / fp8 cache the chunk attends the values
+    later steps read (as prefill_attention does), and only the gathered rows are dequantized."""
+    write_rows(k_cache, out_slots, k)
+    write_rows(v_cache, out_slots, v)
     heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     start = 0
@@ -81,13 +89,17 @@ def window_pool_prefill_attention(
         qs = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
         if not old and ext <= window:  # the whole window is visible: plain causal attention (SDPA's flash path)
             group = heads // kv_heads
-            kh = k[start : start + ext].transpose(0, 1).repeat_interleave(group, dim=0)
-            vh = v[start : start + ext].transpose(0, 1).repeat_interleave(group, dim=0)
+            kn, vn = k[start : start + ext], v[start : start + ext]
+            if is_quantized(k_cache):
+                kn = gather_rows(k_cache, out_slots[start : start + ext], q.dtype)
+                vn = gather_rows(v_cache, out_slots[start : start + ext], q.dtype)
+            kh = kn.transpose(0, 1).repeat_interleave(group, dim=0)
+            vh = vn.transpose(0, 1).repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(qs[None], kh[None], vh[None], is_causal=True, scale=scale)[0]
         else:
             slots = req_to_token[row, prefix - old : prefix + ext].to(torch.int64)
-            o = _banded(qs, k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1), old, window, scale,
-                        heads != kv_heads)
+            o = _banded(qs, gather_rows(k_cache, slots, q.dtype).transpose(0, 1),
+                        gather_rows(v_cache, slots, q.dtype).transpose(0, 1), old, window, scale, heads != kv_heads)
         out[start : start + ext] = o.transpose(0, 1)
         start += ext
     return out

@@ -100,6 +100,8 @@ async def server_info(request: Request) -> dict[str, Any]:
         "dtype": cfg.dtype,  # --dtype auto resolved
         "max_context_len": info.max_context,
         "kv_pool_slots": info.kv_slots,
+        # The KV cache's storage (--kv-cache-dtype) and one token's bytes in the pool (int8: scales included)
+        "kv_cache": {"dtype": info.kv_dtype, "bytes_per_token": info.kv_bytes_per_token},
         "max_running_requests": cfg.max_running_requests,
         "max_queued_requests": cfg.max_queued_requests,
         "chunked_prefill_size": cfg.chunked_prefill_size,

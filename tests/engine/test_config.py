@@ -48,6 +48,18 @@ def test_each_source_wins_over_the_ones_below(tmp_path: Path, monkeypatch: pytes
     assert args.chunked_prefill_size == 256 and args.mem_fraction == 0.3
 
 
+def test_kv_cache_dtype_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert engine_config_from_args(resolve_args(["serve"])[0]).kv_cache_dtype == "auto"
+    monkeypatch.setenv("EMBER_KV_CACHE_DTYPE", "int8")
+    config = engine_config_from_args(resolve_args(["serve", "--dtype", "float32"])[0])
+    assert config.kv_cache_dtype == "int8" and config.kv_cache_dtype_name == "int8"
+    assert EngineConfig(dtype="float32").kv_cache_dtype_name == "float32"  # auto: the serving dtype
+    assert EngineConfig().kv_cache_dtype_name == "bfloat16"
+    assert str(EngineConfig(dtype="float32", kv_cache_dtype="fp8_e4m3").kv_torch_dtype) == "torch.float8_e4m3fn"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
 def test_a_flag_equal_to_the_default_still_beats_env_and_config(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = write_config(tmp_path, 'dtype = "float32"\ndisable-compile = true\n')

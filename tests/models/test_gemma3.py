@@ -195,6 +195,45 @@ def test_chunked_prefill_matches_one_forward(make_gemma3, chunk: int, layout: st
         torch.testing.assert_close(logits, ref[end - 1], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["rings", "pool"])
+@pytest.mark.parametrize("chunk", [3, 40])
+def test_int8_kv_rings_and_pool_decode_what_full_precision_kv_does(make_gemma3, chunk: int, layout: str) -> None:
+    """--kv-cache-dtype int8 on a window model, in both homes of the window layers' K/V: int8 rings (window prefill
+    dequantizes the rows it gathers, decode reads them in the kernel) and the int8 token pool; chunks shorter than the
+    window read the cached int8 tail, as in serving."""
+    folder = make_gemma3("window")
+    prompts = random_prompts(PROMPTS, 320, seed=2)
+
+    def run(kv: str) -> tuple[list[torch.Tensor], list[list[int]]]:
+        runner = make_runner(folder, compile=False, kv_cache_dtype=kv, rings=layout == "rings")
+        assert (runner.window_pool is not None) == (layout == "rings")
+        assert runner.window_pool is None or runner.window_pool.k[0].dtype == runner.kv_pool.dtype
+        rows, logits = [], []
+        for p in prompts:  # each prompt prefilled in chunks, then all decoded together
+            row, slots = runner.req_pool.allocate(), runner.kv_pool.allocate(len(p))
+            assert row is not None and slots is not None
+            for start in range(0, len(p), chunk):
+                end = min(len(p), start + chunk)
+                out = runner.forward(ForwardBatch.prefill([PrefillChunk(row, start, p[start:end], slots[start:end])]))
+            rows.append(row)
+            logits.append(out[0])
+        seqs = [p + [int(lg.argmax())] for p, lg in zip(prompts, logits)]
+        steps = [torch.stack(logits)]
+        for _ in range(DECODE_STEPS):
+            slots = runner.kv_pool.allocate(len(seqs))
+            ids = torch.tensor([s[-1] for s in seqs])
+            pos = torch.tensor([len(s) - 1 for s in seqs])
+            steps.append(runner.forward(ForwardBatch.decode(ids, pos, torch.tensor(rows), slots)))
+            seqs = [s + [int(t)] for s, t in zip(seqs, steps[-1].argmax(-1))]
+        return steps, seqs
+
+    full, full_seqs = run("auto")
+    q8, q8_seqs = run("int8")
+    worst = assert_greedy_close(q8, full, 0.999)
+    assert 0 < worst < 0.05
+    assert sum(a == b for a, b in zip(q8_seqs, full_seqs)) >= 3
+
+
 def test_window_layers_keep_one_window_per_request(make_gemma3) -> None:
     """Memory: the window layers' buffers hold max_running x window entries (+ the padding slot) whatever the
     context; only the global layers are in the token pool, whose slot size counts them alone."""

@@ -160,6 +160,8 @@ def test_models_and_native_endpoints(client: openai.OpenAI, http: httpx.Client) 
     info = http.get("/get_server_info").json()
     assert info["model"] == MODEL_NAME and info["kv_pool_slots"] == 2 * TINY_CONTEXT
     assert info["decode_buckets"] == [1, 2, 4] and info["dtype"] == "float32" and info["versions"]["torch"]
+    # --kv-cache-dtype auto: the serving dtype; K and V of 2 layers x 2 KV heads x 16 dims in fp32
+    assert info["kv_cache"] == {"dtype": "float32", "bytes_per_token": 2 * 2 * 2 * 16 * 4}
     assert http.get("/health_generate").status_code == 200
 
 

@@ -13,12 +13,13 @@ from engine.model_runner import ModelRunner
 
 
 def make_runner(model_dir: Path, *, compile: bool, buckets: tuple[int, ...] = (1, 2, 4), max_running: int = 4,
-                dtype: str = "float32", max_total_tokens: int = 4096, rings: bool = False) -> ModelRunner:
+                dtype: str = "float32", max_total_tokens: int = 4096, rings: bool = False,
+                kv_cache_dtype: str = "auto") -> ModelRunner:
     """rings: a sliding-window model's window layers in per-request rings (the prefix cache off) instead of the
     token pool."""
     config = EngineConfig(model=str(model_dir), dtype=dtype, max_total_tokens=max_total_tokens,
-                          max_running_requests=max_running, decode_buckets=buckets, disable_compile=not compile,
-                          disable_prefix_cache=rings)
+                          kv_cache_dtype=kv_cache_dtype, max_running_requests=max_running, decode_buckets=buckets,
+                          disable_compile=not compile, disable_prefix_cache=rings)
     return ModelRunner(config, open_checkpoint(str(model_dir)))
 
 

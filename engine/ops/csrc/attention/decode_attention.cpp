@@ -6,17 +6,22 @@
 // small aten calls around the gather cost ~0.5 ms per call, more than the math at small batch sizes.
 // Layout (engine/pools.py): k_cache/v_cache [num_slots + 1, kv_heads, head_dim]; req_to_token
 // [rows, max_context] int32 maps (row, position) -> slot. The new K/V are written first, so a token sees itself.
+// An int8 or fp8 cache ([num_slots + 1, kv_heads, head_dim + 4], decode_attention.h) is told apart by its dtype: the
+// new K/V are quantized into it (attention/kv_write.h, as engine/ops/kv_quant.py) and the kernels read it as is.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <limits>
 #include <vector>
 
 #include "attention/decode_attention.h"
+#include "attention/kv_write.h"
 #include "common/cpu_isa.h"
 
 namespace ember {
@@ -25,24 +30,28 @@ namespace {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
-template <typename T>
-void write_kv(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t n) {
-  const int64_t row = src.size(1) * src.size(2);
-  const T* s = src.data_ptr<T>();
-  T* c = cache.data_ptr<T>();
-  for (int64_t i = 0; i < n; ++i) {
-    std::copy(s + i * row, s + (i + 1) * row, c + slots[i] * row);
-  }
+// The 1-byte caches with a scale per row: int8 and fp8 e4m3 (decode_attention.h, engine/ops/kv_quant.py).
+template <typename C>
+constexpr bool kScaled = std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn>;
+template <typename C>
+constexpr int64_t extra() { return kScaled<C> ? kQ8ScaleBytes : 0; }  // row_extra of c10's types
+template <typename C>
+inline float row_scale(const C* row, int64_t D) {
+  if constexpr (kScaled<C>) return q8_scale(reinterpret_cast<const int8_t*>(row), D);
+  else return 1.f;
 }
 
 // The portable path (the scalar tier, or a head size without a vector kernel): same math, one element at a time.
-template <typename T>
-void attend_scalar(const float* qf, int64_t G, int64_t D, const T* kp, const T* vp, const int32_t* slots, int64_t L,
+// C: the cache's storage type (T, another float type, or int8 / fp8, whose rows are D + 4 bytes and carry a scale).
+template <typename C>
+void attend_scalar(const float* qf, int64_t G, int64_t D, const C* kp, const C* vp, const int32_t* slots, int64_t L,
                    int64_t KVH, int64_t kh, std::vector<float>& scores, float* kv_row, float* acc) {
+  const int64_t R = D + extra<C>();
   scores.assign(G * L, 0.f);
   for (int64_t l = 0; l < L; ++l) {
-    const T* krow = kp + (static_cast<int64_t>(slots[l]) * KVH + kh) * D;
-    for (int64_t d = 0; d < D; ++d) kv_row[d] = to_f(krow[d]);
+    const C* krow = kp + (static_cast<int64_t>(slots[l]) * KVH + kh) * R;
+    const float ks = row_scale(krow, D);
+    for (int64_t d = 0; d < D; ++d) kv_row[d] = to_f(krow[d]) * ks;
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
       for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * kv_row[d];
@@ -59,8 +68,9 @@ void attend_scalar(const float* qf, int64_t G, int64_t D, const T* kp, const T* 
   }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t l = 0; l < L; ++l) {
-    const T* vrow = vp + (static_cast<int64_t>(slots[l]) * KVH + kh) * D;
-    for (int64_t d = 0; d < D; ++d) kv_row[d] = to_f(vrow[d]);
+    const C* vrow = vp + (static_cast<int64_t>(slots[l]) * KVH + kh) * R;
+    const float vs = row_scale(vrow, D);
+    for (int64_t d = 0; d < D; ++d) kv_row[d] = to_f(vrow[d]) * vs;
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * L + l];
       for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * kv_row[d];
@@ -71,32 +81,37 @@ void attend_scalar(const float* qf, int64_t G, int64_t D, const T* kp, const T* 
 // The tier's vector kernel for this storage type and head size, or nullptr (the portable loop).
 template <typename T>
 auto vector_kernel(Isa isa, int64_t D) {
-  AttentionKernels table{nullptr, nullptr, nullptr};
+  AttentionKernels table{nullptr, nullptr, nullptr, nullptr, nullptr};
   if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) table = attention_kernels_avx512();
   else if (isa == Isa::kAvx2) table = attention_kernels_avx2();
   if constexpr (std::is_same_v<T, float>) return table.f32 ? table.f32(D) : nullptr;
   else if constexpr (std::is_same_v<T, c10::BFloat16>) return table.bf16 ? table.bf16(D) : nullptr;
+  else if constexpr (std::is_same_v<T, int8_t>) return table.q8 ? table.q8(D) : nullptr;
+  else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) return table.fp8 ? table.fp8(D) : nullptr;
   else return table.f16 ? table.f16(D) : nullptr;
 }
 
-template <typename T>
+// T: the activations' type (q, out); C: the cache's (T itself, or int8_t for the int8 cache).
+template <typename T, typename C>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& req_to_token, const at::Tensor& req_rows, const at::Tensor& seq_lens,
             at::Tensor& out, double scale, Isa isa) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(1), G = H / KVH, ctx = req_to_token.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  const int64_t R = D + extra<C>();  // a cache row's elements
   const int32_t* table = req_to_token.data_ptr<int32_t>();
   const int64_t* rows = req_rows.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  const auto fast = vector_kernel<T>(isa, D);
-  // The kernels see c10's 2-byte types as the layout-identical Bf16 / Half of common/dtypes.h.
-  using Raw = std::conditional_t<std::is_same_v<T, float>, float,
-                                 std::conditional_t<std::is_same_v<T, c10::BFloat16>, Bf16, Half>>;
+  const auto fast = vector_kernel<C>(isa, D);
+  // The kernels see c10's types as the layout-identical Bf16 / Half / Fp8E4M3 of common/dtypes.h.
+  using Raw = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, int8_t>, C,
+              std::conditional_t<std::is_same_v<C, c10::BFloat16>, Bf16,
+              std::conditional_t<std::is_same_v<C, c10::Half>, Half, Fp8E4M3>>>;
   const Raw* kraw = reinterpret_cast<const Raw*>(kp);
   const Raw* vraw = reinterpret_cast<const Raw*>(vp);
 
@@ -113,9 +128,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       }
       if (fast != nullptr) {
         scores.resize(G * ((L + 15) / 16 * 16) + G);
-        fast(qf.data(), G, kraw, vraw, slots, L, KVH * D, kh, scores.data(), acc.data());
+        fast(qf.data(), G, kraw, vraw, slots, L, KVH * R, kh, scores.data(), acc.data());
       } else {
-        attend_scalar<T>(qf.data(), G, D, kp, vp, slots, L, KVH, kh, scores, kv_row.data(), acc.data());
+        attend_scalar<C>(qf.data(), G, D, kp, vp, slots, L, KVH, kh, scores, kv_row.data(), acc.data());
       }
       for (int64_t g = 0; g < G; ++g) {
         T* orow = op + (b * H + kh * G + g) * D;
@@ -134,15 +149,38 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
   TORCH_CHECK(out_slots.scalar_type() == at::kLong && req_rows.scalar_type() == at::kLong &&
               seq_lens.scalar_type() == at::kLong, "slots, rows and lengths must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  // int8 and fp8 caches (their dtype is the only flag) have rows of head_dim + 4 bytes, the scale last
+  const bool q8 = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches must share a dtype");
+  TORCH_CHECK(k_cache.size(2) == q.size(2) + (q8 ? kQ8ScaleBytes : 0),
+              "KV cache rows must be head_dim long, or head_dim + 4 bytes for int8 (the scale)");
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const at::Tensor slots = out_slots.contiguous(), rows = req_rows.contiguous(), lens = seq_lens.contiguous();
   const at::Tensor table = req_to_token.contiguous();
   at::Tensor out = at::empty_like(qc);
+  const int64_t* sp = slots.data_ptr<int64_t>();
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    write_kv<T>(kc, k_cache, slots.data_ptr<int64_t>(), slots.numel());
-    write_kv<T>(vc, v_cache, slots.data_ptr<int64_t>(), slots.numel());
-    attend<T>(qc, k_cache, v_cache, table, rows, lens, out, scale, isa);
+    auto with_cache = [&](auto cache_tag) {  // the cache's storage type, which --kv-cache-dtype picks
+      using C = decltype(cache_tag);
+      if constexpr (kScaled<C>) {
+        write_kv_scaled<T, C>(kc, k_cache, sp, slots.numel());
+        write_kv_scaled<T, C>(vc, v_cache, sp, slots.numel());
+      } else {
+        write_kv<T, C>(kc, k_cache, sp, slots.numel());
+        write_kv<T, C>(vc, v_cache, sp, slots.numel());
+      }
+      attend<T, C>(qc, k_cache, v_cache, table, rows, lens, out, scale, isa);
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kChar: with_cache(int8_t{}); break;
+      case at::kFloat8_e4m3fn: with_cache(c10::Float8_e4m3fn{}); break;
+      case at::kFloat: with_cache(float{}); break;
+      case at::kBFloat16: with_cache(c10::BFloat16{}); break;
+      case at::kHalf: with_cache(c10::Half{}); break;
+      default: TORCH_CHECK(false, "KV caches are float32, bfloat16, float16, int8 or float8_e4m3fn, got ",
+                           k_cache.scalar_type());
+    }
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;

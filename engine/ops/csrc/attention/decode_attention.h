@@ -8,8 +8,26 @@
 
 namespace ember {
 
+// The int8 KV cache (engine/ops/kv_quant.py): each (slot, kv head) row is D int8 values followed by the row's fp32
+// scale in the next 4 bytes (unaligned), value = q * scale, so one row's values and scale share a cache line or two
+// and the cache is still one tensor per layer [num_slots + 1, kv_heads, D + 4]. row_extra<T>() is those 4 bytes.
+constexpr int64_t kQ8ScaleBytes = 4;
+template <typename T>
+constexpr int64_t row_extra() { return 0; }
+template <>
+constexpr int64_t row_extra<int8_t>() { return kQ8ScaleBytes; }
+template <>
+constexpr int64_t row_extra<Fp8E4M3>() { return kQ8ScaleBytes; }  // the fp8 cache: the same layout, e4m3 values
+template <typename T>  // T: int8_t or Fp8E4M3 (one byte a value)
+inline float q8_scale(const T* row, int64_t D) {
+  float s;
+  __builtin_memcpy(&s, row + D, sizeof(float));
+  return s;
+}
+
 // One request and one KV head: the G query heads sharing that KV head attend over its L positions.
-// qf: [G, D] fp32, pre-scaled. k/v: the layer's cache, row of (slot, kv head kh) at (slot * kv_stride + kh * D).
+// qf: [G, D] fp32, pre-scaled. k/v: the layer's cache, row of (slot, kv head kh) at
+// (slot * kv_stride + kh * (D + row_extra<T>())).
 // scores: scratch of G * round_up(L, 16) + G floats. out: [G, D] fp32, normalised.
 template <typename T>
 using AttendOne = void (*)(const float* qf, int64_t G, const T* k, const T* v, const int32_t* slots, int64_t L,
@@ -20,6 +38,8 @@ struct AttentionKernels {
   AttendOne<float> (*f32)(int64_t head_dim);
   AttendOne<Bf16> (*bf16)(int64_t head_dim);
   AttendOne<Half> (*f16)(int64_t head_dim);
+  AttendOne<int8_t> (*q8)(int64_t head_dim);  // the int8 cache: dequantized in registers, never copied out
+  AttendOne<Fp8E4M3> (*fp8)(int64_t head_dim);  // the fp8 e4m3 cache, likewise
 };
 
 AttentionKernels attention_kernels_avx2();

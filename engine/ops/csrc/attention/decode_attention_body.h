@@ -2,6 +2,9 @@
 // decode_attention_avx2.cpp and decode_attention_avx512.cpp inside their ISA's target region.
 // Scores W keys at a time (one dot product per lane, finished by one transposing reduction), softmax numerators
 // with a vector exp, then probs . V with the G query heads' accumulators in registers.
+// The int8 and fp8 caches (T = int8_t or Fp8E4M3, decode_attention.h): each row is widened to fp32 in registers and
+// its scale applied once per key: to the key's score after the dot product, and to the key's probability before it
+// weights the value row.
 // No std:: templates here (see linear/linear_bf16_body.h for why).
 #pragma once
 
@@ -27,22 +30,32 @@ struct AttentionBody {
   static void attend_one(const float* qf, int64_t G, const T* kp, const T* vp, const int32_t* slots, int64_t L,
                          int64_t kv_stride, int64_t kh, float* scores, float* out) {
     constexpr int64_t D = NC * W;
+    constexpr int64_t kQ8 = ember::row_extra<T>();  // 4: int8 / fp8 caches, each row's fp32 scale after its values
+    constexpr int64_t RB = (D + kQ8) * sizeof(T);  // a row's bytes, what the prefetches cover
     const int64_t Lp = (L + 15) / 16 * 16;
-    auto row = [&](const T* base, int64_t l) { return base + static_cast<int64_t>(slots[l]) * kv_stride + kh * D; };
+    auto row = [&](const T* base, int64_t l) {
+      return base + static_cast<int64_t>(slots[l]) * kv_stride + kh * (D + kQ8);
+    };
     F dots[W];
+    float kscale[W];
     for (int64_t l0 = 0; l0 < L; l0 += W) {  // scores = q . k, W keys at a time
       const int64_t n = min64(W, L - l0);
+      if constexpr (kQ8 != 0) {
+        for (int64_t j = 0; j < W; ++j) kscale[j] = j < n ? ember::q8_scale(row(kp, l0 + j), D) : 0.f;
+      }
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qf + g * D;
         for (int64_t j = 0; j < W; ++j) {
           if (j >= n) { dots[j] = V::zero(); continue; }
           const T* kr = row(kp, l0 + j);
-          if (g == 0 && l0 + j + kAhead < L) prefetch_row(row(kp, l0 + j + kAhead), D * sizeof(T));
+          if (g == 0 && l0 + j + kAhead < L) prefetch_row(row(kp, l0 + j + kAhead), RB);
           F acc = V::mul(V::load(qg), V::load(kr));
           for (int c = 1; c < NC; ++c) acc = V::fma(V::load(qg + W * c), V::load(kr + W * c), acc);
           dots[j] = acc;
         }
-        V::store(scores + g * Lp + l0, V::reduce_lanes(dots));
+        F sc = V::reduce_lanes(dots);
+        if constexpr (kQ8 != 0) sc = V::mul(sc, V::load(kscale));
+        V::store(scores + g * Lp + l0, sc);
       }
     }
     float* inv = scores + G * Lp;
@@ -69,11 +82,13 @@ struct AttentionBody {
       for (int64_t g = 0; g < GC; ++g)
         for (int c = 0; c < NC; ++c) acc[g][c] = V::zero();
       for (int64_t l = 0; l < L; ++l) {
-        if (l + kAhead < L) prefetch_row(row(vp, l + kAhead), D * sizeof(T));
+        if (l + kAhead < L) prefetch_row(row(vp, l + kAhead), RB);
         const T* vr = row(vp, l);
+        float vscale = 1.f;
+        if constexpr (kQ8 != 0) vscale = ember::q8_scale(vr, D);
         for (int64_t g = 0; g < GC; ++g) {
           if (g >= gn) break;
-          const F p = V::set1(scores[(g0 + g) * Lp + l]);
+          const F p = V::set1(kQ8 != 0 ? scores[(g0 + g) * Lp + l] * vscale : scores[(g0 + g) * Lp + l]);
           for (int c = 0; c < NC; ++c) acc[g][c] = V::fma(p, V::load(vr + W * c), acc[g][c]);
         }
       }
@@ -101,7 +116,9 @@ struct AttentionBody {
     }
   }
 
-  static ember::AttentionKernels kernels() { return {for_head_dim<float>, for_head_dim<Bf16>, for_head_dim<Half>}; }
+  static ember::AttentionKernels kernels() {
+    return {for_head_dim<float>, for_head_dim<Bf16>, for_head_dim<Half>, for_head_dim<int8_t>, for_head_dim<Fp8E4M3>};
+  }
 };
 
 }  // namespace

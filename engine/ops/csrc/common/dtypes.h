@@ -7,7 +7,9 @@
 namespace ember {
 struct Bf16 { uint16_t bits; };
 struct Half { uint16_t bits; };
+struct Fp8E4M3 { uint8_t bits; };  // c10::Float8_e4m3fn's layout (the fp8 KV cache)
 }  // namespace ember
 
 using ember::Bf16;
 using ember::Half;
+using ember::Fp8E4M3;

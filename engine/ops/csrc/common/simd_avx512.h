@@ -23,6 +23,19 @@ struct Avx512 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
   static F load(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F load(const int8_t* p) {  // 16 int8 -> fp32 (the int8 KV cache)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // 16 fp8 e4m3 -> fp32 (the fp8 KV cache). Sign to bit 15 and exponent + mantissa to bits 7..13 make an fp16 of
+  // value x * 2^-8 (fp16's exponent bias is 8 more than e4m3's), subnormals included (fp16 has them too, and F16C
+  // converts them exactly), so one conversion and a multiply by 2^8 give x. The sign gets there by sign-extending
+  // the byte and shifting it left by 7: its copies land in bits 14 and 15, and bit 14 (fp16's top exponent bit, 0 for
+  // every e4m3 value) is cleared. (e4m3fn's NaN 0x7F is never written.)
+  static F load(const Fp8E4M3* p) {
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
