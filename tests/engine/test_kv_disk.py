@@ -199,3 +199,31 @@ def test_evicted_prefixes_come_back_from_disk_on_a_small_pool(folder: Path, tmp_
     assert core.kvm.stats.evicted_tokens > 0
     assert core.kvm.disk is not None and core.kvm.disk.stats.hit_blocks > 0
     core.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_every_kv_dtype_round_trips_byte_for_byte(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Blocks are stored as the cache's bytes (an int8 / fp8 row's scale included, --kv-cache-dtype), so any KV dtype
+    comes back bit-identical; a store of another dtype does not read them."""
+    def pool(seed: int) -> KVPool:
+        p = KVPool(256, LAYERS, HEADS, DIM, dtype)
+        gen = torch.Generator().manual_seed(seed)
+        for t in (*p.k, *p.v):
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen,
+                                                    dtype=torch.uint8))
+        return p
+
+    src, dst = pool(0), pool(1)
+    ids = _ids(2 * BLOCK_TOKENS)
+    slots = src.allocate(len(ids))
+    assert slots is not None
+    store = DiskKVStore(tmp_path, "model-a", 2**26, src)
+    store.save(ids, slots)
+    store.flush_writes()
+    covered, got = DiskKVStore(tmp_path, "model-a", 2**26, dst).load(ids, 0, dst.allocate)
+    assert covered == 2 * BLOCK_TOKENS
+    for a, b in zip((*src.k, *src.v), (*dst.k, *dst.v)):
+        assert torch.equal(a.view(torch.uint8)[slots], b.view(torch.uint8)[got])
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    foreign = KVPool(256, LAYERS, HEADS, DIM, other)
+    assert DiskKVStore(tmp_path, "model-a", 2**26, foreign).load(ids, 0, foreign.allocate)[0] == 0
