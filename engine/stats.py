@@ -36,7 +36,7 @@ class EngineInfo:
     quantized_formats: dict[str, int]  # quantized format -> weights in it
     pooling: Pooling  # how /v1/embeddings pools this model's hidden states
     hidden_size: int  # the embeddings' length
-    speculative: str  # "ngram" or "off" (also off for models that cannot draft: sliding-window layers)
+    speculative: str  # "ngram" or "off" (also off for a sliding-window model on rings: --disable-prefix-cache)
 
     @classmethod
     def of(cls, core: EngineCore) -> EngineInfo:

@@ -59,6 +59,11 @@ class EngineCollector(Collector):
             yield _gauge("vllm:kv_cache_usage_perc", "ember:kv_pool_usage_perc under vLLM's name (0-1).", usage)
         yield _gauge("ember:kv_pool_used_slots", "KV pool slots (tokens) held by admitted requests.", used)
         yield _gauge("ember:kv_pool_total_slots", "KV pool size in slots (tokens).", info.kv_slots)
+        per_token = GaugeMetricFamily("ember:kv_bytes_per_token", "Bytes one token's K and V take in the pool, by KV "
+                                      "dtype (--kv-cache-dtype; an int8 / fp8 cache's scales included).",
+                                      labels=["dtype"])
+        per_token.add_metric([info.kv_dtype], info.kv_bytes_per_token)
+        yield per_token
         yield _gauge("ember:prefix_cache_slots", "KV slots holding prefix-cache entries (shared ones included).",
                      stats.prefix_cache_slots)
         yield _counter("ember:prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the prefix cache.",
