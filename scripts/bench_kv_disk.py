@@ -11,24 +11,17 @@ Usage: python scripts/bench_kv_disk.py [--prefix 2000] [--llama1b]
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_window_cache import ttft  # noqa: E402
 
-
-def ttft(core: EngineCore, prompt: list[int]) -> float:
-    t0 = time.perf_counter()
-    core.add(core.make_requests(f"r{t0}", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
-    while core.has_work():
-        if any(o.token_ids for o in core.step()):
-            return time.perf_counter() - t0
-    raise RuntimeError("no token")
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
 
 
 def llama1b(folder: Path) -> Path:
