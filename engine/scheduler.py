@@ -235,35 +235,25 @@ class Scheduler:
                 return None
             self._touched.append(self._retract(self.running[-1]))
         batch = self.running
-        drafts: list[tuple[int, ...]] = []
+        drafts: list[tuple[int, ...]] = [()] * len(batch)
         if self.speculator is not None:
             room = min(self.kvm.headroom(), self.config.buckets[-1]) - len(batch)
             drafts = self.speculator.drafts(batch, room)
-        if not any(drafts):
-            slots = self.kvm.allocate(len(batch))
-            assert slots is not None  # ensured by the loop above
-            positions = torch.tensor([r.fill_len - 1 for r in batch], dtype=torch.int64)
-            return ForwardBatch.decode(
-                input_ids=torch.tensor([r.output_ids[-1] for r in batch], dtype=torch.int64),
-                positions=positions,
-                req_rows=torch.tensor([r.req_row for r in batch], dtype=torch.int64),
-                seq_lens=positions + 1,
-                out_slots=slots,
-                reqs=tuple(batch),
-            )
-        # Verification: each request's last token and its drafts, consecutive rows on its own request row.
-        ids, pos, rows = [], [], []
+        # Each request's last token and its drafts (if any): consecutive rows on its own request row.
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
         for r, d in zip(batch, drafts):
             ids += [r.output_ids[-1], *d]
             pos += range(r.fill_len - 1, r.fill_len + len(d))
             rows += [r.req_row] * (1 + len(d))
         slots = self.kvm.allocate(len(ids))
-        assert slots is not None  # the drafts were fitted to the headroom
+        assert slots is not None  # ensured by the loop above; the drafts were fitted to the headroom
         positions = torch.tensor(pos, dtype=torch.int64)
         return ForwardBatch.decode(
             input_ids=torch.tensor(ids, dtype=torch.int64), positions=positions,
             req_rows=torch.tensor(rows, dtype=torch.int64), seq_lens=positions + 1, out_slots=slots,
-            reqs=tuple(batch), drafts=tuple(drafts))
+            reqs=tuple(batch), drafts=tuple(drafts) if any(drafts) else ())
 
     # ---- KV bookkeeping -------------------------------------------------------------------------------
     def _retract(self, req: Request) -> Request:
