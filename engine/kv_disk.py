@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import struct
@@ -203,7 +204,7 @@ class DiskKVStore:
         want_shape = [len(self.kv.k), 2, BLOCK_TOKENS, *k0.view(torch.uint8).shape[1:]]  # bytes, see `save`
         if (header.get("identity") != self.identity or header.get("tokens") != tokens
                 or header.get("dtype") != str(k0.dtype) or header.get("shape") != want_shape
-                or header.get("crc32") != zlib.crc32(raw) or len(raw) != _numel(want_shape)):
+                or header.get("crc32") != zlib.crc32(raw) or len(raw) != math.prod(want_shape)):
             return None
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(want_shape)
 
@@ -261,10 +262,3 @@ class DiskKVStore:
     def close(self) -> None:
         self._queue.put(None)
         self._writer.join(timeout=30)
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
