@@ -62,6 +62,13 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> Non
         cache.index_copy_(0, slots, x.to(cache.dtype))
 
 
+def attended_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What a prefill chunk's queries attend of its own K/V `x`, just written to `slots`: x itself, or with an int8 /
+    fp8 cache the values every later step reads (then a prompt's output does not depend on how it was chunked or how
+    much of it the prefix cache held)."""
+    return gather_rows(cache, slots, x.dtype) if is_quantized(cache) else x
+
+
 def gather_rows(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cache[slots] in `dtype`: only these rows are dequantized."""
     return dequantize_rows(cache[slots], dtype) if is_quantized(cache) else cache[slots].to(dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.ops.kv_quant import dequantize_rows, gather_rows, is_quantized, quantize_rows, write_rows
+from engine.ops.kv_quant import attended_rows, dequantize_rows, gather_rows, is_quantized, quantize_rows, write_rows
 
 
 def window_prefill_attention(
@@ -89,10 +89,9 @@ def window_pool_prefill_attention(
         qs = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
         if not old and ext <= window:  # the whole window is visible: plain causal attention (SDPA's flash path)
             group = heads // kv_heads
-            kn, vn = k[start : start + ext], v[start : start + ext]
-            if is_quantized(k_cache):
-                kn = gather_rows(k_cache, out_slots[start : start + ext], q.dtype)
-                vn = gather_rows(v_cache, out_slots[start : start + ext], q.dtype)
+            written = out_slots[start : start + ext]
+            kn = attended_rows(k_cache, written, k[start : start + ext])
+            vn = attended_rows(v_cache, written, v[start : start + ext])
             kh = kn.transpose(0, 1).repeat_interleave(group, dim=0)
             vh = vn.transpose(0, 1).repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(qs[None], kh[None], vh[None], is_causal=True, scale=scale)[0]
