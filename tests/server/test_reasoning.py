@@ -17,15 +17,8 @@ import openai
 import pytest
 
 from server_harness import API_KEY, TINY_CONTEXT, Server, http_client, openai_client, tiny_server
+from tiny_models import R1_TEMPLATE
 
-# From the R1 distills' published template: the generation prompt ends with <｜Assistant｜><think>\n.
-R1_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1]"
-    " + '<｜end▁of▁sentence｜>' }}{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
-)
 # From Qwen3's: ChatML, and with enable_thinking false an empty think block after the assistant header.
 QWEN3_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"

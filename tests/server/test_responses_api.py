@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from server_harness import (API_KEY, MODEL_NAME, TINY_CONTEXT, Server, assert_error, idle, openai_client, run_server,
                             tiny_server, wait_until)
+from tiny_models import R1_TEMPLATE
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
@@ -300,19 +301,10 @@ def test_smollm2_chained_turn_reuses_the_previous_turn(smol: Server) -> None:
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
 
 
-# The R1 distills' template (as in test_reasoning.py): the generation prompt opens the think block, so a random
-# model's whole output is reasoning, cut off at max_output_tokens.
-R1_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1]"
-    " + '<｜end▁of▁sentence｜>' }}{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def r1(make_tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The R1 distills' template: the generation prompt opens the think block, so a random model's whole output is
+    reasoning, cut off at max_output_tokens."""
     model = make_tiny_model("llama", max_position_embeddings=TINY_CONTEXT, chat_template=R1_TEMPLATE)
     with tiny_server(model, tmp_path_factory.mktemp("r1") / "server.log") as srv:
         yield srv

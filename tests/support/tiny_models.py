@@ -124,3 +124,13 @@ def write_tiny_model(
         path = folder / "generation_config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **generation}, indent=2))
     return folder
+
+
+# From the R1 distills' published template: the generation prompt ends with <｜Assistant｜><think>\n.
+R1_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1]"
+    " + '<｜end▁of▁sentence｜>' }}{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+)
