@@ -166,6 +166,8 @@ class Speculator:
     def drafts(self, batch: Sequence[Request], budget: int) -> list[tuple[int, ...]]:
         """Each request's drafts for this step (empty: it decodes one token). A grammar-constrained request's
         proposal is cut where its grammar would reject a token: a draft the mask forbids could never be kept."""
+        if budget <= 0:  # no row to draft into (a full largest bucket, a full pool): skip the lookups this step
+            return self._no_drafts(batch)
         proposals: list[list[int]] = []
         for req in batch:
             if req.spec is None:
@@ -176,10 +178,7 @@ class Speculator:
                 proposal = proposal[: req.matcher.validate_tokens(proposal)]
             proposals.append(proposal)
         if not any(proposals):
-            for req in batch:
-                if req.spec is not None:
-                    req.spec.record(0, 0)
-            return [()] * len(batch)
+            return self._no_drafts(batch)
         rates = [req.spec.rate if req.spec is not None else 0.0 for req in batch]
         lengths = self.planner.plan(rates, [len(p) for p in proposals], budget)
         out = [tuple(p[:k]) for p, k in zip(proposals, lengths)]
@@ -187,6 +186,13 @@ class Speculator:
             if req.spec is not None and not d:
                 req.spec.record(0, 0)
         return out
+
+    @staticmethod
+    def _no_drafts(batch: Sequence[Request]) -> list[tuple[int, ...]]:
+        for req in batch:
+            if req.spec is not None:
+                req.spec.record(0, 0)  # (its rate drifts back toward the prior: see RATE_RECOVERY)
+        return [()] * len(batch)
 
     def verified(self, req: Request, proposed: int, accepted: int) -> None:
         assert req.spec is not None
