@@ -26,6 +26,7 @@ from engine.loader.gguf_phi3 import (
 )
 from engine.loader.gguf_gemma3 import GEMMA3_BLOCK_NAMES, fix_gemma3_config, gemma3_norm_offset
 from engine.loader.gguf_moe import is_moe_tensor, moe_gguf_config, moe_tensors
+from engine.loader.gguf_pages import release_pages
 from engine.loader.model_config import ModelConfig, UnsupportedModelError, model_config_from_hf
 from engine.quant.gguf_tensor import NATIVE_GGUF_TYPES, GGUFTensor
 from engine.quant.gguf_tensor import AnyQuantized
@@ -142,17 +143,23 @@ def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, keep_quantized: b
     arch = _metadata(reader, "general.architecture")
     permuted = arch in _PERMUTED_QK_ARCHITECTURES
     widened: dict[str, list[str]] = {}
-    for t in reader.tensors:
+    # The parsed header is hundreds of MB of Python objects for a 49k-token vocabulary (an array view per token
+    # string); only the tensors' entries are needed from here on, so the rest is not kept alive during the load.
+    tensors = reader.tensors
+    del reader
+    for t in tensors:
         if t.name == _ROPE_FREQS or t.name in ROPE_FACTOR_TENSORS:
             continue  # llama3 / LongRoPE factors, already turned into config.rope_scaling
         if is_moe_tensor(t.name):  # routers and experts, per expert (engine/loader/gguf_moe.py)
             yield from moe_tensors(t, keep_quantized, widened)
+            release_pages(t.data, t.data_offset, t.n_bytes)
             continue
         hf_name = hf_tensor_name(t.name, arch)
         if keep_quantized and len(t.shape) == 2:
             if t.tensor_type in NATIVE_GGUF_TYPES:
                 # A copy out of the read-only memory map (torch refuses to alias it), one tensor at a time.
                 q = GGUFTensor(torch.from_numpy(np.array(t.data)), t.tensor_type, int(t.shape[0]))
+                release_pages(t.data, t.data_offset, t.n_bytes)
                 yield hf_name, _unpermute_quantized(q, hf_name, config) if permuted else q
                 continue
             widened.setdefault(t.tensor_type.name, []).append(t.name)
@@ -164,6 +171,7 @@ def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, keep_quantized: b
         # Copies when the array is still a read-only view of the memory map (unquantized F32 tensors).
         if values.dtype != np.float32 or not values.flags.writeable:
             values = values.astype(np.float32)
+        release_pages(t.data, t.data_offset, t.n_bytes)
         tensor = torch.from_numpy(values)
         if arch == "gemma3" and (offset := gemma3_norm_offset(hf_name)):
             tensor = tensor + offset  # stored as 1 + w (engine/loader/gguf_gemma3.py)

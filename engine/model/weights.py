@@ -103,6 +103,11 @@ def build_model(
         module, attr, shard = target
         if isinstance(tensor, (QuantizedTensor, GGUFTensor)):
             pending.setdefault((module, attr), {})[shard] = tensor
+            # Placed as soon as its last shard arrives, so the file's blocks of one weight at a time are alive next
+            # to the model being built, not the whole file's (a first start held every weight twice at its peak).
+            got = set(pending[(module, attr)])
+            if got == set(_shard_order(attr, pending[(module, attr)])) and getattr(module, attr).is_meta:
+                _place_quantized(cfg, module, attr, pending.pop((module, attr)), dtype)
             continue
         param = getattr(module, attr)
         if param.is_meta:
@@ -126,12 +131,17 @@ def build_model(
     return model.eval()
 
 
+def _shard_order(attr: str, shards: dict[str | None, AnyQuantized]) -> tuple[str | None, ...]:
+    """The shards a quantized weight is installed from, in order: one when stored fused (phi3), else its parts."""
+    return (None,) if None in shards else _FUSED_SHARDS.get(attr, (None,))
+
+
 def _place_quantized(cfg: ModelConfig, module: nn.Module, attr: str, shards: dict[str | None, AnyQuantized],
                      dtype: torch.dtype) -> None:
     """All shards quantized: install them as one QuantizedWeight (in shard order). A fused weight whose other
     shards came dense (an F16 attn_v beside Q4_K attn_q, say) is served dense: its quantized shards are
     dequantized into it."""
-    order = (None,) if None in shards else _FUSED_SHARDS.get(attr, (None,))  # stored fused (phi3) or in shards
+    order = _shard_order(attr, shards)
     param = getattr(module, attr)
     if isinstance(param, nn.Parameter) and param.is_meta and set(shards) == set(order):
         parts = [shards[s] for s in order]
