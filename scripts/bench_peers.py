@@ -101,6 +101,7 @@ def multi_turn_command(name: str, port: int, cache_dir: Path, ember_dtype: str) 
 
 GGUF_FILE: Path | None = None  # --gguf: the file ember-gguf and llama-gguf[-avx2] serve
 EMBER_ARGS: list[str] = []  # --ember-args: extra `ember serve` flags (e.g. --decode-buckets 1,8)
+LLAMA_ARGS: list[str] = []  # --llama-args: extra llama-server flags, after the defaults (the last of a flag wins)
 
 
 def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "auto") -> list[str]:
@@ -109,12 +110,12 @@ def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "au
         cores = str(os.cpu_count() or 1)
         return [str(PEERS_DIR / build / "bin" / "llama-server"), "-m", str(GGUF_FILE if "gguf" in name else Q80),
                 "-a", "model", "--host", "127.0.0.1", "--port", str(port), "-t", cores, "-tb", cores, "-np", "32",
-                "-c", "16384", "--no-webui", "--no-repack"]
+                "-c", "16384", "--no-webui", "--no-repack", *LLAMA_ARGS]
     if name == "llama-q41-ngram":
         cores = str(os.cpu_count() or 1)
         gguf = PEERS_DIR / "smollm2" / "q4_1.gguf"
         return [str(PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server"), "-m", str(gguf), "-a", "model", "--host", "127.0.0.1", "--port", str(port), "-t", cores, "-tb", cores, "-np", "32",
-                "-c", "16384", "--no-webui", "--no-repack", "--spec-type", "ngram-simple"]
+                "-c", "16384", "--no-webui", "--no-repack", "--spec-type", "ngram-simple", *LLAMA_ARGS]
     if not name.startswith("ember"):
         return [str(PEERS / "start.sh"), name, str(port)]
     hf = PEERS_DIR / "smollm2" / "hf-bf16"
@@ -234,6 +235,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gguf", type=Path, default=None,
                    help="the GGUF file ember-gguf and llama-gguf[-avx2] serve (e.g. a synthetic.sh model)")
     p.add_argument("--ember-args", default="", help="extra `ember serve` flags, space-separated")
+    p.add_argument("--llama-args", default="",
+                   help="extra llama-server flags for the llama-gguf/-q80/-ngram servers, space-separated (e.g. "
+                        "'-ctk q8_0 -ctv q8_0 -fa on -c 73728 -np 8')")
     p.add_argument("--ember-isa", default=None, choices=["avx2", "avx512", "avx512bf16"],
                    help="run Ember on this kernel tier (EMBER_ISA; default: the best the CPU runs)")
     return p.parse_args()
@@ -252,6 +256,7 @@ def main() -> int:
     global GGUF_FILE
     GGUF_FILE = args.gguf
     EMBER_ARGS.extend(args.ember_args.split())
+    LLAMA_ARGS.extend(args.llama_args.split())
     servers = [s for s in args.servers.split(",") if s]
     if any("gguf" in s for s in servers) and (GGUF_FILE is None or not GGUF_FILE.is_file()):
         print("the -gguf servers need --gguf FILE", file=sys.stderr)
