@@ -43,7 +43,7 @@ inline GgufTypeInfo gguf_type_info(int64_t qtype) {
 constexpr int64_t kGgufBlockRows = 32;  // output rows per unit of work stolen between threads
 constexpr float kGgufActMax = 127.0f;   // int8 activations: -127..127, so a sign flip never overflows
 
-// From GgufKernel::tile_min_rows rows on (prefill; set per variant and type where the measured crossing is, 64-128
+// From GgufKernel::tile_min_rows rows on (prefill; set per variant and type where the measured crossing is, 64-1024
 // rows: linear_gguf_avx512vnni.cpp, _avx2.cpp) a call dequantizes each 32-row block's K-chunk once into an fp32
 // tile and runs the fp32 micro-kernel (linear/linear_fma_body.h) on fp32 activations; below, integer dots on int8
 // activations. kGgufTileMinRows only names the scalar reference's (it has no tile path).

@@ -13,12 +13,13 @@
 namespace {
 struct MaddDot {  // vpmaddubsw then vpmaddwd by ones; Q8_0's sign moved onto x (vpsignb): |q| x sign(q) x
   static constexpr bool kQ8Offset = false;
-  // Integer dots until the fp32 tile path catches up. Measured on the AMX Xeon with this variant forced, 1 thread,
-  // Llama-1B shapes, GFLOP/s int8 vs tile over a layer: Q4_K 109/52 at 32 rows, 102/59 at 64; Q6_K 99/64 at 64,
-  // 100/91 at 128; Q8_0 76/55 at 48, 77/82 at 64; Q4_0 76/49 at 32, 77/82 at 64. K-quants from 128 rows, the
-  // 32-value types from 64.
+  // Integer dots until the fp32 tile path catches up. Measured on the AMX Xeon with this variant forced, Llama-1B
+  // shapes, GFLOP/s int8 vs tile over a layer. 1 thread: Q8_0 76/55 at 48, 77/82 at 64; Q4_0 76/49 at 32, 77/82 at
+  // 64. 2 threads (scripts/bench_linear.py --paths int8 tile): Q4_K 186/158 at 128, 206/169 at 256, 181/177 at 512,
+  // 178/168 at 1024; Q6_K 185/120 at 128, 187/179 at 256, 177/172 at 512, 176/181 at 1024. So the K-quants stay on
+  // integers through any prefill chunk (the tile never won by more than the noise), the 32-value types go from 64.
   static constexpr int64_t tile_min_rows(int t) {
-    return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? 128 : 64;
+    return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? 1024 : 64;
   }
   static __m256i dot(__m256i w, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));

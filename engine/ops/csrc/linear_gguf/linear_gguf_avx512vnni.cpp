@@ -28,12 +28,14 @@ struct GAvx512 {
   static constexpr int R = 2;
   static constexpr bool kQ8Offset = true;
   static constexpr int rows_per_pass(int mt) { return mt <= 4 ? 4 : 2; }  // of 32 zmm
-  // Integer dots until the fp32 tile path catches up. Measured on the AMX Xeon, 1 thread (the other core was busy),
-  // Llama-1B shapes (q/o, k/v, gate+up, down), GFLOP/s int8 vs tile over a layer: Q4_K 146/50 at 16 rows,
-  // 153/84 at 32, 158/106 at 64; Q6_K 142/77 at 32, 150/110 at 64, 149/144 at 128; Q8_0 118/88 at 32, 122/115 at
-  // 64; Q4_0 119/82 at 32, 120/126 at 64. K-quants from 128 rows, Q8_0 from 96, the other 32-value types from 64.
+  // Integer dots until the fp32 tile path catches up. Measured on the AMX Xeon, Llama-1B shapes (q/o, k/v,
+  // gate+up, down), GFLOP/s int8 vs tile over a layer. 1 thread (the other core was busy): Q4_K 146/50 at 16 rows,
+  // 153/84 at 32, 158/106 at 64; Q8_0 118/88 at 32, 122/115 at 64; Q4_0 119/82 at 32, 120/126 at 64. 2 threads
+  // (scripts/bench_linear.py --paths int8 tile): Q4_K 308/227 at 128, 298/291 at 256, 287/269 at 512, 276/283 at
+  // 1024; Q6_K 256/228 at 128, 284/255 at 256, 267/271 at 512, 269/270 at 1024. K-quants from 512 rows, Q8_0 from
+  // 96, the other 32-value types from 64.
   static constexpr int64_t tile_min_rows(int t) {
-    return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? 128 : t == ember::kQ8_0 ? 96 : 64;
+    return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? 512 : t == ember::kQ8_0 ? 96 : 64;
   }
 
   static I cat(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
