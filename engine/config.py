@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
-SPECULATIVE_MODES: tuple[str, ...] = ("ngram", "off")
+SPECULATIVE_MODES: tuple[str, ...] = ("ngram", "draft", "off")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
 
 
@@ -43,9 +43,11 @@ class EngineConfig:
     pooling: str = "auto"
     # Speculative decoding (engine/speculative.py): ngram = prompt-lookup drafts, verified in the decode batch's
     # own compiled step, drafted only when the measured step times and acceptance say it pays; off = one token per
-    # step. num_speculative_tokens caps a request's drafts per step.
+    # step; draft = a small model with the same tokenizer (draft_model, HF folder or GGUF) drafts by its own
+    # greedy decode (engine/draft_model.py). num_speculative_tokens caps a request's drafts per step.
     speculative: str = "ngram"
     num_speculative_tokens: int = 7
+    draft_model: str | None = None
     # MiB of the prefix cache's disk tier under compile_cache_dir (engine/kv_disk.py): cached K/V written through,
     # read back on a miss, kept across restarts; 0 = off
     kv_disk_cache_size: int = 0
@@ -69,6 +71,9 @@ class EngineConfig:
             raise ValueError(f"pooling must be auto, mean or last, got {self.pooling!r}")
         if self.speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculative draft and --draft-model PATH go together: the draft model drafts only in "
+                             "draft mode, and draft mode needs one")
         if not 1 <= self.num_speculative_tokens <= 31:
             raise ValueError("num_speculative_tokens must be in [1, 31]")
         if self.kv_disk_cache_size < 0:

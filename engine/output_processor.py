@@ -236,6 +236,8 @@ class OutputProcessor:
                 reason, stop_reason = "stop", hit
         req.status, req.finish_reason, req.stop_reason = ReqStatus.FINISHED, reason, stop_reason
         req.finished_at = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.forget(req)
 
 
 def take_output(req: Request) -> RequestOutput | None:

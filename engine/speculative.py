@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup (n-gram drafts), verified for the whole decode batch in one forward.
+"""Speculative decoding by prompt lookup (n-gram drafts) or a draft model (engine/draft_model.py), verified for the
+whole decode batch in one forward.
 
 A decode step reads every weight once for one token per request; at small batch that pass is memory-bound, so
 checking k proposed tokens in the same pass costs little more than one. Each running request proposes the
@@ -22,8 +23,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.draft_model import DraftModel
 
 MIN_NGRAM, MAX_NGRAM = 2, 4
 PRIOR_RATE = 0.5  # acceptance rate assumed before a request has verified any draft
@@ -31,6 +36,9 @@ RATE_EMA = 0.3  # weight of the latest verify step in a request's acceptance rat
 # Per step without drafting, a request's rate relaxes this far toward the prior, so one that stopped drafting
 # tries again after a while (its text may have started quoting its prompt).
 RATE_RECOVERY = 0.02
+# A draft model's probe is not free (a catch-up forward and the draft's own steps): it probes less often.
+DRAFT_RATE_RECOVERY = 0.005
+RECENT_RATE_EMA = 0.1  # weight of a verify step in the all-requests acceptance rate a draft model's requests start at
 MAX_RATE = 0.95  # an estimate, never a certainty: keeps the expected gain of long drafts finite
 STEP_TIME_EMA = 0.2
 
@@ -82,6 +90,7 @@ class SpecState:
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of which were accepted
     verify_steps: int = 0  # steps in which the request verified at least one draft
+    recovery: float = RATE_RECOVERY
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed:
@@ -90,7 +99,7 @@ class SpecState:
             self.accepted += accepted
             self.verify_steps += 1
         else:
-            self.rate += (PRIOR_RATE - self.rate) * RATE_RECOVERY
+            self.rate += (PRIOR_RATE - self.rate) * self.recovery
 
 
 @dataclass
@@ -129,12 +138,14 @@ class DraftPlanner:
         below = [c for c in self.step_s if c < b]
         return self.step_s[max(below)] if below else None
 
-    def plan(self, rates: Sequence[float], proposals: Sequence[int], budget: int) -> list[int]:
+    def plan(self, rates: Sequence[float], proposals: Sequence[int], budget: int,
+             draft_cost: Callable[[int], float] | None = None) -> list[int]:
         """Draft lengths (at most proposals[i], in all at most `budget`) that maximise expected tokens per second.
 
         Draft j of request i is accepted with probability rate_i ** j (all before it must be), so the expected
         tokens of a step are sum_i sum_{j <= k_i} rate_i ** j. Adding drafts in order of that gain and keeping the
-        best prefix finds the optimum, since each request's gains fall with j."""
+        best prefix finds the optimum, since each request's gains fall with j. draft_cost(longest): seconds the
+        drafter spends on a round whose longest draft has that many tokens (a draft model; n-gram drafts are free)."""
         base = len(rates)
         best_cost = self.cost(base)
         if best_cost is None or budget <= 0:
@@ -142,11 +153,16 @@ class DraftPlanner:
         gains = sorted(((min(r, MAX_RATE) ** j, i) for i, r in enumerate(rates) for j in range(1, proposals[i] + 1)),
                        key=lambda g: -g[0])
         tokens, best_value, best_n = float(base), base / best_cost, 0
-        for n, (gain, _) in enumerate(gains[:budget], start=1):
+        taken, longest = [0] * base, 0
+        for n, (gain, i) in enumerate(gains[:budget], start=1):
             tokens += gain
+            taken[i] += 1
+            longest = max(longest, taken[i])
             cost = self.cost(base + n)
             if cost is None:
                 break
+            if draft_cost is not None:
+                cost += draft_cost(longest)
             if tokens / cost > best_value:
                 best_value, best_n = tokens / cost, n
         lengths = [0] * base
@@ -156,36 +172,53 @@ class DraftPlanner:
 
 
 class Speculator:
-    """The scheduler's view of speculation: proposals and draft lengths for a decode batch, and what came of them."""
+    """The scheduler's view of speculation: proposals and draft lengths for a decode batch, and what came of them.
+    With a draft model (engine/draft_model.py) the lengths are planned first, from each request's room and the
+    draft's measured cost per token, and the draft then writes that many; n-gram proposals are looked up first
+    and cost nothing."""
 
-    def __init__(self, buckets: Sequence[int], ready: Callable[[int], bool], max_draft: int) -> None:
+    def __init__(self, buckets: Sequence[int], ready: Callable[[int], bool], max_draft: int,
+                 drafter: DraftModel | None = None) -> None:
         self.planner = DraftPlanner(buckets, ready)
         self.max_draft = max_draft
+        self.drafter = drafter
         self.stats = SpecStats()
+        self.recent_rate = PRIOR_RATE  # EMA of every verify step's acceptance rate, all requests together
 
     def drafts(self, batch: Sequence[Request], budget: int) -> list[tuple[int, ...]]:
         """Each request's drafts for this step (empty: it decodes one token). A grammar-constrained request's
         proposal is cut where its grammar would reject a token: a draft the mask forbids could never be kept."""
         if budget <= 0:  # no row to draft into (a full largest bucket, a full pool): skip the lookups this step
             return self._no_drafts(batch)
-        proposals: list[list[int]] = []
+        rooms: list[int] = []
         for req in batch:
-            if req.spec is None:
-                req.spec = SpecState()
-            room = req.max_new_tokens - len(req.output_ids) - 1  # the step always adds one token of its own
-            proposal = req.spec.index.propose(req.all_ids, min(self.max_draft, room)) if room > 0 else []
-            if proposal and req.matcher is not None:
-                proposal = proposal[: req.matcher.validate_tokens(proposal)]
-            proposals.append(proposal)
-        if not any(proposals):
-            return self._no_drafts(batch)
+            if req.spec is None:  # a draft model's new request starts from the acceptance the draft has had lately
+                req.spec = (SpecState() if self.drafter is None else
+                            SpecState(rate=self.recent_rate, recovery=DRAFT_RATE_RECOVERY))
+            room = min(self.max_draft, req.max_new_tokens - len(req.output_ids) - 1)  # the step adds one of its own
+            rooms.append(max(0, room if self.drafter is None else min(room, self.drafter.room(req))))
         rates = [req.spec.rate if req.spec is not None else 0.0 for req in batch]
-        lengths = self.planner.plan(rates, [len(p) for p in proposals], budget)
-        out = [tuple(p[:k]) for p, k in zip(proposals, lengths)]
+        if self.drafter is None:
+            proposals = [_grammar_cut(req, req.spec.index.propose(req.all_ids, room)) if room > 0 else ()
+                         for req, room in zip(batch, rooms)]
+            if not any(proposals):
+                return self._no_drafts(batch)
+            lengths = self.planner.plan(rates, [len(p) for p in proposals], budget)
+            out = [tuple(p[:k]) for p, k in zip(proposals, lengths)]
+        else:
+            lengths = self.planner.plan(rates, rooms, budget, self.drafter.cost)
+            if not any(lengths):
+                return self._no_drafts(batch)
+            out = [_grammar_cut(req, d) for req, d in zip(batch, self.drafter.propose(batch, lengths))]
         for req, d in zip(batch, out):
             if req.spec is not None and not d:
                 req.spec.record(0, 0)
         return out
+
+    def forget(self, req: Request) -> None:
+        """A request finished: the drafter's state of it goes."""
+        if self.drafter is not None:
+            self.drafter.release(req)
 
     @staticmethod
     def _no_drafts(batch: Sequence[Request]) -> list[tuple[int, ...]]:
@@ -197,6 +230,15 @@ class Speculator:
     def verified(self, req: Request, proposed: int, accepted: int) -> None:
         assert req.spec is not None
         req.spec.record(proposed, accepted)
+        if proposed:
+            self.recent_rate += RECENT_RATE_EMA * (accepted / proposed - self.recent_rate)
         self.stats.proposed += proposed
         self.stats.accepted += accepted
         self.stats.verify_steps += 1
+
+
+def _grammar_cut(req: Request, draft: Sequence[int]) -> tuple[int, ...]:
+    """The draft up to the first token the request's grammar would reject (all of it without a grammar)."""
+    if draft and req.matcher is not None:
+        draft = draft[: req.matcher.validate_tokens(list(draft))]
+    return tuple(draft)

@@ -36,7 +36,8 @@ class EngineInfo:
     quantized_formats: dict[str, int]  # quantized format -> weights in it
     pooling: Pooling  # how /v1/embeddings pools this model's hidden states
     hidden_size: int  # the embeddings' length
-    speculative: str  # "ngram" or "off" (also off for a sliding-window model on rings: --disable-prefix-cache)
+    # "ngram", "draft" or "off" (also off for a sliding-window model on rings: --disable-prefix-cache)
+    speculative: str
 
     @classmethod
     def of(cls, core: EngineCore) -> EngineInfo:
@@ -82,6 +83,7 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    draft_ready_buckets: tuple[int, ...] | None = None  # a draft model's compiled decode buckets (None: no draft)
     kv_disk: DiskStats | None = None  # the prefix cache's disk tier (a copy), None when it is off
 
     @property
@@ -110,5 +112,14 @@ class EngineStats:
             ready_buckets=tuple(graphs.ready_buckets) if graphs.compiled else (),
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
             spec_verify_steps=spec.verify_steps if spec else 0,
+            draft_ready_buckets=_draft_ready(core),
             kv_disk=dataclasses.replace(kvm.disk.stats) if kvm.disk is not None else None,
         )
+
+
+def _draft_ready(core: EngineCore) -> tuple[int, ...] | None:
+    drafter = core.speculator.drafter if core.speculator is not None else None
+    if drafter is None:
+        return None
+    graphs = drafter.runner.graphs
+    return tuple(graphs.ready_buckets) if graphs.compiled else ()

@@ -47,10 +47,12 @@ PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ember-pee
 # ember: the bf16 HF folder; ember-q41: the wheel's Q4_1 GGUF in its own formats (the default model, as served by
 # default); ember-q80 / llama-q80[-avx2]: the Q8_0 GGUF made by convert_hf_to_gguf.py --outtype q8_0 (docs/benchmarks.md).
 # Speculative decoding (docs/speculative-decoding.md): ember-q41-nospec is ember-q41 with --speculative off, and
-# llama-q41-ngram is llama-q41 with llama.cpp's prompt-lookup drafting (--spec-type ngram-simple).
+# llama-q41-ngram is llama-q41 with llama.cpp's prompt-lookup drafting (--spec-type ngram-simple); on --gguf's file,
+# ember-gguf-nospec is --speculative off and ember-gguf-draft drafts with --draft-model's file (default: the Q4_1
+# SmolLM2, whose tokenizer synthetic.sh's models share).
 SERVERS = ("ember", "ember-q41", "ember-q80", "llama-bf16", "llama-q41", "llama-q80", "llama-bf16-avx2",
            "llama-q41-avx2", "llama-q80-avx2", "vllm", "ember-gguf", "llama-gguf", "llama-gguf-avx2",
-           "ember-q41-nospec", "llama-q41-ngram")
+           "ember-q41-nospec", "llama-q41-ngram", "ember-gguf-nospec", "ember-gguf-draft")
 Q80 = PEERS_DIR / "smollm2" / "q8_0.gguf"
 START_TIMEOUT_S = {"ember": 1200.0, "vllm": 900.0}  # Ember compiles its decode buckets; vLLM warms up too
 POLL_S = 1.0
@@ -99,7 +101,8 @@ def multi_turn_command(name: str, port: int, cache_dir: Path, ember_dtype: str) 
     return [*cmd[: cmd.index("--max-total-tokens")], "--max-total-tokens", "32768", "--max-running-requests", "32"]
 
 
-GGUF_FILE: Path | None = None  # --gguf: the file ember-gguf and llama-gguf[-avx2] serve
+GGUF_FILE: Path | None = None  # --gguf: the file ember-gguf[-nospec|-draft] and llama-gguf[-avx2] serve
+DRAFT_FILE = PEERS_DIR / "smollm2" / "q4_1.gguf"  # --draft-model: what ember-gguf-draft drafts with
 EMBER_ARGS: list[str] = []  # --ember-args: extra `ember serve` flags (e.g. --decode-buckets 1,8)
 LLAMA_ARGS: list[str] = []  # --llama-args: extra llama-server flags, after the defaults (the last of a flag wins)
 
@@ -124,8 +127,12 @@ def server_command(name: str, port: int, cache_dir: Path, ember_dtype: str = "au
         model = [] if name == "ember-q41" else ["--speculative", "off"]  # the embedded Q4_1 GGUF, --quantization auto
     elif name == "ember-q80":
         model = ["--model", str(Q80)]
-    elif name == "ember-gguf":
+    elif name.startswith("ember-gguf"):
         model = ["--model", str(GGUF_FILE)]
+        if name == "ember-gguf-nospec":
+            model += ["--speculative", "off"]
+        elif name == "ember-gguf-draft":
+            model += ["--speculative", "draft", "--draft-model", str(DRAFT_FILE)]
     return [PY, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *model,
             "--served-model-name", "model", "--dtype", ember_dtype, "--compile-cache-dir", str(cache_dir),
             "--max-total-tokens", "16384", "--max-running-requests", "32", *EMBER_ARGS]
@@ -148,7 +155,8 @@ def compiled(base: str) -> bool:
             info = json.loads(r.read())
     except OSError:
         return False
-    return bool(info["compiled_buckets"] == info["decode_buckets"])
+    draft = info.get("speculative", {}).get("draft_compiled_buckets")  # a draft model compiles its own
+    return bool(info["compiled_buckets"] == info["decode_buckets"]) and draft in (None, info["decode_buckets"])
 
 
 def start(name: str, port: int, cache_dir: Path, log: Path, ember_isa: str | None = None,
@@ -234,6 +242,7 @@ def parse_args() -> argparse.Namespace:
                    help="Ember's --dtype (default: %(default)s, Ember's own default)")
     p.add_argument("--gguf", type=Path, default=None,
                    help="the GGUF file ember-gguf and llama-gguf[-avx2] serve (e.g. a synthetic.sh model)")
+    p.add_argument("--draft-model", type=Path, default=DRAFT_FILE, help="what ember-gguf-draft drafts with")
     p.add_argument("--ember-args", default="", help="extra `ember serve` flags, space-separated")
     p.add_argument("--llama-args", default="",
                    help="extra llama-server flags for the llama-gguf/-q80/-ngram servers, space-separated (e.g. "
@@ -253,8 +262,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     args = parse_args()
-    global GGUF_FILE
-    GGUF_FILE = args.gguf
+    global GGUF_FILE, DRAFT_FILE
+    GGUF_FILE, DRAFT_FILE = args.gguf, args.draft_model
     EMBER_ARGS.extend(args.ember_args.split())
     LLAMA_ARGS.extend(args.llama_args.split())
     servers = [s for s in args.servers.split(",") if s]

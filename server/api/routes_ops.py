@@ -138,6 +138,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "embeddings": {"pooling": info.pooling, "dimensions": info.hidden_size},
         # Speculative decoding: the drafter ("off" also for models that cannot draft), the draft cap, and so far
         "speculative": {"mode": info.speculative, "num_speculative_tokens": cfg.num_speculative_tokens,
+                        "draft_model": cfg.draft_model, "draft_compiled_buckets": stats.draft_ready_buckets,
                         "proposed_tokens": stats.spec_proposed_tokens, "accepted_tokens": stats.spec_accepted_tokens,
                         "verify_steps": stats.spec_verify_steps},
         "max_n": settings.max_n,

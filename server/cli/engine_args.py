@@ -69,10 +69,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="waiting requests beyond which new ones get 503 (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None, help="torch compute threads (default: all cores)")
-    g.add_argument("--speculative", default="ngram", choices=["ngram", "off"],
+    g.add_argument("--speculative", default="ngram", choices=["ngram", "draft", "off"],
                    help="speculative decoding: ngram drafts the continuation of the latest earlier match of a "
-                        "request's last tokens in its own prompt and output, verified in the decode step, and only "
-                        "when measured step times say it pays (default: %(default)s)")
+                        "request's last tokens in its own prompt and output; draft runs --draft-model's greedy "
+                        "decode; either is verified in the decode step, and only when measured step times say it "
+                        "pays (default: %(default)s)")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="with --speculative draft: a small model (HF folder or .gguf) with the model's tokenizer "
+                        "that drafts for it, with its own KV pool and compiled decode steps")
     g.add_argument("--num-speculative-tokens", type=int, default=7,
                    help="most draft tokens a request verifies per step (default: %(default)s)")
     g.add_argument("--kv-disk-cache-size", type=int, default=0, metavar="MIB",
@@ -101,5 +105,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
         disable_prefix_cache=args.disable_prefix_cache, num_threads=args.num_threads, pooling=args.pooling,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
         kv_disk_cache_size=args.kv_disk_cache_size,
     )

@@ -19,7 +19,7 @@ import pytest
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.speculative import DraftPlanner, NgramIndex
-from scheduler_helpers import Arrival, Driver, Stream, assert_idle_and_empty, tiny_engine
+from scheduler_helpers import Arrival, assert_same_streams, run_checked, tiny_engine
 
 
 # ---- the drafter ------------------------------------------------------------------------------------------
@@ -95,18 +95,7 @@ def _repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(5, 300) for _ in range(rng.randint(6, 15))] * rng.randint(2, 4) for _ in range(n)]
 
 
-def _run(core: EngineCore, arrivals: list[Arrival], **kwargs: Any) -> dict[tuple[str, int], Stream]:
-    streams = Driver(core, **kwargs).run(arrivals)
-    assert_idle_and_empty(core)
-    return streams
-
-
-def _same(a: dict[tuple[str, int], Stream], b: dict[tuple[str, int], Stream]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert b[key].token_ids == a[key].token_ids, key
-        assert (b[key].text, b[key].finish_reason, b[key].stop_reason) == (a[key].text, a[key].finish_reason,
-                                                                           a[key].stop_reason), key
+_run, _same = run_checked, assert_same_streams
 
 
 @pytest.fixture(scope="module")

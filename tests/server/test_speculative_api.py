@@ -4,14 +4,16 @@ counters and /get_server_info's settings. That output equals speculation off is 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
-from server_harness import Server
+from server_harness import Server, http_client, run_server, tiny_server_args
 
 
-def _counter(metrics: str, name: str) -> float:
-    match = re.search(rf'^{re.escape(name)}_total{{drafter="ngram"}} (\S+)$', metrics, re.M)
+def _counter(metrics: str, name: str, drafter: str = "ngram") -> float:
+    match = re.search(rf'^{re.escape(name)}_total{{drafter="{drafter}"}} (\S+)$', metrics, re.M)
     assert match, name
     return float(match.group(1))
 
@@ -42,3 +44,21 @@ def test_draft_counts_add_up_across_meta_info_and_metrics(server: Server, http: 
     assert _counter(after, "ember:spec_verify_steps") > _counter(before, "ember:spec_verify_steps")
     info = http.get("/get_server_info").json()["speculative"]
     assert info["accepted_tokens"] >= accepted
+
+
+def test_a_draft_model_server_reports_its_drafts(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """--speculative draft --draft-model: the model drafting for itself (so its drafts are kept). The planner
+    drafts while the draft's cost is unmeasured, then only if it pays, which a draft as big as the model never
+    does: at least the first round is verified and reported under drafter="draft"."""
+    model = make_tiny_model("llama")
+    args = [*tiny_server_args(model), "--speculative", "draft", "--draft-model", str(model)]
+    with run_server(args, tmp_path / "server.log") as server, http_client(server) as http:
+        info = http.get("/get_server_info").json()["speculative"]
+        assert info["mode"] == "draft" and info["draft_model"] == str(model)
+        metas = [_generate(http, [11, 12, 13, 14, 15, 16, 17], 24)["meta_info"] for _ in range(2)]
+        proposed = sum(m["spec_proposed_tokens"] for m in metas)
+        accepted = sum(m["spec_accepted_tokens"] for m in metas)
+        assert 0 < accepted <= proposed
+        metrics = http.get("/metrics").text
+        assert _counter(metrics, "ember:spec_proposed_tokens", "draft") == proposed
+        assert _counter(metrics, "ember:spec_accepted_tokens", "draft") == accepted

@@ -82,6 +82,18 @@ def check_accounting(core: EngineCore) -> None:
     assert core.runner.req_pool.available_size() == core.runner.req_pool.size - len(admitted)
     assert len({r.req_row for r in admitted}) == len(admitted) and all(r.req_row > 0 for r in admitted)
     assert all(r.req_row == 0 and r.kv_len == 0 and r.cache_node is None for r in s.waiting)
+    check_drafter(core)
+
+
+def check_drafter(core: EngineCore, idle: bool = False) -> None:
+    """A draft model's pool holds exactly its per-request states' slots and rows, none of a finished request."""
+    drafter = core.speculator.drafter if core.speculator is not None else None
+    if drafter is None:
+        return
+    assert not any(r.finished for r in drafter.states)
+    assert drafter.runner.kv_pool.used_size() == sum(st.slots.numel() for st in drafter.states.values())
+    assert drafter.runner.req_pool.available_size() == drafter.runner.req_pool.size - len(drafter.states)
+    assert not (idle and drafter.states)
 
 
 def assert_idle_and_empty(core: EngineCore) -> None:
@@ -92,6 +104,7 @@ def assert_idle_and_empty(core: EngineCore) -> None:
     assert kvm.held_slots() == 0
     assert core.runner.kv_pool.available_size() == core.runner.kv_pool.num_slots - kvm.cached_slots()
     assert core.runner.req_pool.available_size() == core.runner.req_pool.size
+    check_drafter(core, idle=True)
 
 
 class Driver:
@@ -164,3 +177,19 @@ def run_solo(core: EngineCore, prompt: list[int], params: SamplingParams) -> Str
     streams = Driver(core).run([Arrival(0, "solo", prompt, params)])
     assert_idle_and_empty(core)
     return streams[("solo", 0)]
+
+
+def run_checked(core: EngineCore, arrivals: list[Arrival], **kwargs: Any) -> dict[tuple[str, int], Stream]:
+    """Driver(core, **kwargs).run(arrivals), then the engine must be idle with every slot back."""
+    streams = Driver(core, **kwargs).run(arrivals)
+    assert_idle_and_empty(core)
+    return streams
+
+
+def assert_same_streams(a: Mapping[tuple[str, int], Stream], b: Mapping[tuple[str, int], Stream]) -> None:
+    """The same choices with the same tokens, text and finish."""
+    assert a.keys() == b.keys()
+    for key in a:
+        assert b[key].token_ids == a[key].token_ids, key
+        assert (b[key].text, b[key].finish_reason, b[key].stop_reason) == (a[key].text, a[key].finish_reason,
+                                                                           a[key].stop_reason), key
