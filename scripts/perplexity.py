@@ -21,6 +21,7 @@ import math
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -48,18 +49,20 @@ def token_ids(path: Path, text: str, llama_tokenize: str | None) -> list[int]:
 
 
 @torch.no_grad()
-def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: int,
-               rows_per_call: int = 0, kv_cache_dtype: str = "auto") -> tuple[float, float, str]:
-    """rows_per_call: 0 runs each context as one prefill (every linear call has ctx rows: the kernels' many-row
-    path); N > 0 runs it in chunks of N tokens over the growing KV cache, so every linear call has N rows: with
-    N < 16 the few-row path that decode steps take (int8 activations in ember::linear_gguf), scored on the same
-    tokens. kv_cache_dtype: the KV cache's storage (--kv-cache-dtype; int8 / fp8 rows carry their scale)."""
+def scored_logits(path: Path, ids: list[int], quantization: str, dtype: str, ctx: int, rows_per_call: int = 0,
+                  kv_cache_dtype: str = "auto") -> Iterator[tuple[torch.Tensor, torch.Tensor] | str]:
+    """Yields the weights' description, then (fp32 logits [n, V], next tokens [n]) of every scored stretch, in
+    llama-perplexity's order. rows_per_call: 0 runs each context as one prefill (every linear call has ctx rows:
+    the kernels' many-row path); N > 0 runs it in chunks of N tokens over the growing KV cache, so every linear call
+    has N rows: with N < 16 the few-row path that decode steps take (int8 activations in ember::linear_gguf), scored
+    on the same tokens. kv_cache_dtype: the KV cache's storage (--kv-cache-dtype; int8 / fp8 rows carry their
+    scale)."""
     cfg = EngineConfig(model=str(path), dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     ck = open_checkpoint(str(path))
     keep, mode = cfg.quantization_plan(ck.quantized_source)
     model = build_model(ck.config, ck.tensors(keep), cfg.torch_dtype, ctx, quantize=mode, group=cfg.quant_group_size)
+    yield describe_weights(model, dtype)
     mc = ck.config
-    nlls: list[float] = []
     first = ctx // 2
     step = rows_per_call
     for c in range(len(ids) // ctx):
@@ -78,13 +81,24 @@ def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: i
             if not len(rows):  # the fill: only its last row's logits are computed, and dropped
                 model(batch, k, v)
                 continue
-            logits = model(dataclasses.replace(batch, logit_rows=rows - start), k, v).float()
-            nll = torch.nn.functional.cross_entropy(logits, chunk[rows + 1], reduction="none")
-            nlls += nll.tolist()
+            yield model(dataclasses.replace(batch, logit_rows=rows - start), k, v).float(), chunk[rows + 1]
+
+
+def perplexity(path: Path, ids: list[int], quantization: str, dtype: str, ctx: int,
+               rows_per_call: int = 0, kv_cache_dtype: str = "auto") -> tuple[float, float, str]:
+    """(PPL, its +-, the weights' description) over the scored positions of `scored_logits`."""
+    nlls: list[float] = []
+    weights = ""
+    for item in scored_logits(path, ids, quantization, dtype, ctx, rows_per_call, kv_cache_dtype):
+        if isinstance(item, str):
+            weights = item
+            continue
+        logits, targets = item
+        nlls += torch.nn.functional.cross_entropy(logits, targets, reduction="none").tolist()
     mean = sum(nlls) / len(nlls)
     var = sum((x - mean) ** 2 for x in nlls) / (len(nlls) - 1)
     ppl = math.exp(mean)
-    return ppl, ppl * math.sqrt(var / len(nlls)), describe_weights(model, dtype)
+    return ppl, ppl * math.sqrt(var / len(nlls)), weights
 
 
 def main() -> int:
