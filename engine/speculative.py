@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.request import Request
+from engine.suffix_index import SharedIndex
 
 if TYPE_CHECKING:
     from engine.draft_model import DraftModel
@@ -178,10 +179,12 @@ class Speculator:
     and cost nothing."""
 
     def __init__(self, buckets: Sequence[int], ready: Callable[[int], bool], max_draft: int,
-                 drafter: DraftModel | None = None) -> None:
+                 drafter: DraftModel | None = None, share: bool = True) -> None:
+        """share: n-gram drafts may also come from finished requests' text (engine/suffix_index.py)."""
         self.planner = DraftPlanner(buckets, ready)
         self.max_draft = max_draft
         self.drafter = drafter
+        self.shared = SharedIndex() if drafter is None and share else None
         self.stats = SpecStats()
         self.recent_rate = PRIOR_RATE  # EMA of every verify step's acceptance rate, all requests together
 
@@ -199,8 +202,7 @@ class Speculator:
             rooms.append(max(0, room if self.drafter is None else min(room, self.drafter.room(req))))
         rates = [req.spec.rate if req.spec is not None else 0.0 for req in batch]
         if self.drafter is None:
-            proposals = [_grammar_cut(req, req.spec.index.propose(req.all_ids, room)) if room > 0 else ()
-                         for req, room in zip(batch, rooms)]
+            proposals = [_grammar_cut(req, self._lookup(req, room)) if room > 0 else () for req, room in zip(batch, rooms)]
             if not any(proposals):
                 return self._no_drafts(batch)
             lengths = self.planner.plan(rates, [len(p) for p in proposals], budget)
@@ -215,10 +217,18 @@ class Speculator:
                 req.spec.record(0, 0)
         return out
 
+    def _lookup(self, req: Request, k: int) -> list[int]:
+        """An n-gram proposal: from the request's own text, else from other requests' (engine/suffix_index.py)."""
+        assert req.spec is not None
+        own = req.spec.index.propose(req.all_ids, k)
+        return own if own or self.shared is None else self.shared.propose(req.all_ids, k)
+
     def forget(self, req: Request) -> None:
-        """A request finished: the drafter's state of it goes."""
+        """A request finished: the drafter's state of it goes, and (n-grams) its text joins the shared index."""
         if self.drafter is not None:
             self.drafter.release(req)
+        elif self.shared is not None and req.pooling is None and req.output_ids:
+            self.shared.add(req.all_ids)
 
     @staticmethod
     def _no_drafts(batch: Sequence[Request]) -> list[tuple[int, ...]]:

@@ -227,3 +227,34 @@ def test_compiled_buckets_verify_drafts_like_plain_decode(folder: Path) -> None:
         _same(on, _run(core, arrivals))
     finally:
         core.scheduler.speculator = speculator
+
+
+def test_a_finished_requests_text_drafts_for_the_next_one(folder: Path) -> None:
+    """The shared index (engine/suffix_index.py): a second request with the first one's prompt copies the first
+    one's answer from it, drafted from the first step on; without the index it drafts only from its own text."""
+    rng = random.Random(21)
+    prompt = [rng.randrange(5, 300) for _ in range(30)]  # no repeats: its own text proposes nothing at first
+    kept: dict[bool, int] = {}
+    for share in (True, False):
+        core = _engine(folder, "ngram")
+        assert core.speculator is not None
+        if not share:
+            core.speculator.shared = None
+        first = _run(core, [Arrival(0, "a", prompt, GREEDY)])
+        before = core.speculator.stats.accepted
+        second = _run(core, [Arrival(0, "b", prompt, GREEDY)])
+        kept[share] = core.speculator.stats.accepted - before
+        assert second[("b", 0)].token_ids == first[("a", 0)].token_ids
+    assert kept[True] >= 30 and kept[True] > kept[False] + 10, kept
+
+
+def test_the_shared_index_keeps_a_token_budget() -> None:
+    from engine.suffix_index import SharedIndex
+
+    index = SharedIndex(max_tokens=100)
+    index.add(list(range(60)))
+    assert index.propose([7, 8, 9, 10], 3) == [11, 12, 13]
+    index.add(list(range(100, 160)))  # 120 tokens: the first sequence goes, and every n-gram pointing into it
+    assert index.tokens == 60 and index.propose([7, 8, 9, 10], 3) == []
+    assert index.propose([140, 141, 142], 2) == [143, 144]
+    assert all(sid in index.seqs for m in index.maps.values() for sid, _ in m.values())
