@@ -15,7 +15,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 SHARED_NGRAMS = (4, 3)  # longest first
-SHARED_MAX_TOKENS = 100_000  # ~30 MB of index: a few hundred answers' worth
+SHARED_MAX_TOKENS = 100_000  # ~45 MiB of index (measured with tracemalloc): a few hundred answers' worth
+# Of each sequence only its last this many tokens (its answer and the prompt's end): indexing costs ~1 us a token on
+# the engine thread at the request's finish, so a long prompt's whole text would stall a step.
+SHARED_MAX_SEQUENCE = 8192
 
 
 class SharedIndex:
@@ -31,11 +34,11 @@ class SharedIndex:
 
     def add(self, ids: Sequence[int]) -> None:
         """Index a finished request's tokens; the oldest sequences go once the budget is spent."""
-        if len(ids) < min(SHARED_NGRAMS) + 1 or len(ids) > self.max_tokens:
+        seq = list(ids[-min(SHARED_MAX_SEQUENCE, self.max_tokens):])
+        if len(seq) < min(SHARED_NGRAMS) + 1:
             return
         sid = self._next_id
         self._next_id += 1
-        seq = list(ids)
         self.seqs[sid] = seq
         self.tokens += len(seq)
         for n, m in self.maps.items():
