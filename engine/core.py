@@ -59,12 +59,12 @@ class EngineCore:
         # Drafts are verified as extra decode rows of their request; a sliding-window layer's ring would let a later
         # draft overwrite the position a window back that an earlier row still reads, so rings mean no drafts.
         graphs = self.runner.graphs
-        self.speculator = None
+        self.speculator, self.drafter = None, None
         if config.speculative != "off" and self.runner.window_pool is None:
-            drafter = (DraftModel(config, self.runner.kv_pool.num_slots, mc.vocab_size, self.tokenizer, on_bucket)
-                       if config.speculative == "draft" else None)
+            self.drafter = (DraftModel(config, self.runner.kv_pool.num_slots, mc.vocab_size, self.tokenizer, on_bucket)
+                            if config.speculative == "draft" else None)
             self.speculator = Speculator(graphs.buckets, lambda b: b in graphs.fns, config.num_speculative_tokens,
-                                         drafter)
+                                         self.drafter)
         self.outputs = OutputProcessor(self.kvm, mc.eos_token_ids, mc.vocab_size, self.max_context, self.speculator)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.scheduler = Scheduler(self.kvm, self.outputs, config, self.speculator)
@@ -138,8 +138,8 @@ class EngineCore:
         """Finish writing the disk tier's queued blocks (a restart then finds them); stop the draft's compile."""
         if self.kvm.disk is not None:
             self.kvm.disk.close()
-        if self.speculator is not None and self.speculator.drafter is not None:
-            self.speculator.drafter.stop()
+        if self.drafter is not None:
+            self.drafter.stop()
 
     def add(self, reqs: list[Request]) -> None:
         for req in reqs:

@@ -31,10 +31,10 @@ from engine.loader import resolve_model_path
 from engine.loader.prepared import PreparedModel, open_cached, tokenizer_cached
 from engine.model_runner import ModelRunner
 from engine.request import Request
+from engine.speculative import ema
 
 log = logging.getLogger("ember.draft")
 
-STEP_TIME_EMA = 0.2
 _T = TypeVar("_T")  # what an allocator hands out: a request row, or slots
 
 
@@ -81,7 +81,6 @@ class DraftModel:
         # forward: a request that has not drafted for a while has more to catch up, and the planner must count it.
         self.catchup_s: float | None = None
         self.step_s: float | None = None
-        self.forwards = 0
 
     # ---- the planner's view ---------------------------------------------------------------------------------
     def room(self, req: Request) -> int:
@@ -99,29 +98,30 @@ class DraftModel:
     def propose(self, batch: Sequence[Request], lengths: Sequence[int]) -> list[tuple[int, ...]]:
         """Up to lengths[i] greedy draft tokens of the draft model for each request of the batch."""
         drafting = {r for r, k in zip(batch, lengths) if k > 0}
-        active: list[tuple[Request, int, _DraftState]] = []
+        active: list[tuple[Request, int, _DraftState, list[int]]] = []  # (the request's tokens, made once)
         for req, k in zip(batch, lengths):
             if k > 0:
-                st = self._state(req, k, drafting)
+                ids = req.all_ids
+                st = self._state(req, ids, k, drafting)
                 if st is not None:
-                    active.append((req, k, st))
+                    active.append((req, k, st, ids))
         out: dict[Request, list[int]] = {req: [] for req in batch}
         if not active:
             return [()] * len(batch)
         t0 = time.perf_counter()
-        self._catch_up([(req, st) for req, _, st in active], out)
+        self._catch_up([(req, st, ids) for req, _, st, ids in active], out)
         t1 = time.perf_counter()
-        self.catchup_s = _ema(self.catchup_s, t1 - t0)
-        longest = max(k for _, k, _ in active)
+        self.catchup_s = ema(self.catchup_s, t1 - t0)
+        longest = max(k for _, k, _, _ in active)
         for j in range(1, longest):  # draft j + 1 from draft j, at position valid + j - 1
-            step = [(req, st) for req, k, st in active if k > j]
+            step = [(req, st) for req, k, st, _ in active if k > j]
             ids = [out[req][-1] for req, _ in step]
             logits = self._decode(ids, [st.valid + j - 1 for _, st in step], [st for _, st in step])
             for (req, st), fed, tok in zip(step, ids, self._argmax(logits)):
                 st.fed.append(fed)
                 out[req].append(tok)
         if longest > 1:
-            self.step_s = _ema(self.step_s, (time.perf_counter() - t1) / (longest - 1))
+            self.step_s = ema(self.step_s, (time.perf_counter() - t1) / (longest - 1))
         return [tuple(out[req]) for req in batch]
 
     def release(self, req: Request) -> None:
@@ -131,7 +131,7 @@ class DraftModel:
             self.runner.kv_pool.free(st.slots)
             self.runner.req_pool.free(st.row)
 
-    def _state(self, req: Request, k: int, drafting: set[Request]) -> _DraftState | None:
+    def _state(self, req: Request, ids: list[int], k: int, drafting: set[Request]) -> _DraftState | None:
         """The request's draft state with slots for every position this round writes (up to fill_len - 1 + k - 1),
         its previous round's drafts checked against the tokens since; None when the pool cannot hold it."""
         st = self.states.get(req)
@@ -140,7 +140,6 @@ class DraftModel:
             if row is None:
                 return None
             st = self.states[req] = _DraftState(row)
-        ids = req.all_ids
         keep = 0
         while keep < len(st.fed) and st.valid + keep < len(ids) - 1 and ids[st.valid + keep] == st.fed[keep]:
             keep += 1  # (the last token is always fed again: its logits give the first draft)
@@ -163,40 +162,40 @@ class DraftModel:
             got = take()
         return got
 
-    def _catch_up(self, active: list[tuple[Request, _DraftState]], out: dict[Request, list[int]]) -> None:
-        """Feed every token each request has that the draft has not seen; the last one's logits are draft 1."""
+    def _catch_up(self, active: list[tuple[Request, _DraftState, list[int]]], out: dict[Request, list[int]]) -> None:
+        """Feed every token each request has (`ids`) that the draft has not seen; the last one's logits are draft 1."""
         rows = self.catchup_rows
-        long = [(req, st) for req, st in active if len(req.all_ids) - st.valid > rows]
+        long = [(st, ids) for _, st, ids in active if len(ids) - st.valid > rows]
         chunk = self.config.chunked_prefill_size
         while long:  # eager prefill up to the last `rows` tokens, chunk by chunk across requests
             chunks, budget = [], chunk
-            for req, st in long:
-                take = min(len(req.all_ids) - rows - st.valid, budget)
+            for st, ids in long:
+                take = min(len(ids) - rows - st.valid, budget)
                 if take <= 0:
                     break
-                chunks.append((st, req.all_ids[st.valid : st.valid + take]))
+                chunks.append((st, ids[st.valid : st.valid + take]))
                 budget -= take
             if not chunks:
                 break
             self.runner.forward(ForwardBatch.prefill(
-                [PrefillChunk(st.row, st.valid, toks, st.slots[st.valid : st.valid + len(toks)]) for st, toks in chunks]))
-            self.forwards += 1
+                [PrefillChunk(st.row, st.valid, toks, st.slots[st.valid : st.valid + len(toks)])
+                 for st, toks in chunks]))
             for st, toks in chunks:
                 st.valid += len(toks)
-            long = [(req, st) for req, st in long if len(req.all_ids) - st.valid > rows]
-        ids: list[int] = []
+            long = [(st, ids) for st, ids in long if len(ids) - st.valid > rows]
+        feed: list[int] = []
         pos: list[int] = []
         sts: list[_DraftState] = []
         last: list[int] = []
-        for req, st in active:
-            toks = req.all_ids[st.valid :]
-            ids += toks
+        for _, st, ids in active:
+            toks = ids[st.valid :]
+            feed += toks
             pos += range(st.valid, st.valid + len(toks))
             sts += [st] * len(toks)
-            last.append(len(ids) - 1)
-        logits = self._decode(ids, pos, sts)
-        for (req, st), tok in zip(active, self._argmax(logits[last])):
-            st.valid = len(req.all_ids)
+            last.append(len(feed) - 1)
+        logits = self._decode(feed, pos, sts)
+        for (req, st, ids), tok in zip(active, self._argmax(logits[last])):
+            st.valid = len(ids)
             out[req].append(tok)
 
     def _decode(self, ids: list[int], pos: list[int], states: list[_DraftState]) -> torch.Tensor:
@@ -209,7 +208,6 @@ class DraftModel:
         tokens = torch.tensor(ids, dtype=torch.int64)
         step, parts = self.runner.graphs.max_batch, []
         for i in range(0, len(ids), step):
-            self.forwards += 1
             parts.append(self.runner.forward(ForwardBatch.decode(tokens[i : i + step], positions[i : i + step],
                                                                  rows[i : i + step], slots[i : i + step])))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -228,6 +226,3 @@ def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizer
         raise ValueError(f"--draft-model {draft_path} has a different tokenizer from the model's: its token ids "
                          "would mean other text (a draft model must share the model's vocabulary)")
 
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - STEP_TIME_EMA) * old + STEP_TIME_EMA * new

@@ -23,13 +23,11 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.request import Request
 from engine.suffix_index import SharedIndex
 
-if TYPE_CHECKING:
-    from engine.draft_model import DraftModel
 
 MIN_NGRAM, MAX_NGRAM = 2, 4
 PRIOR_RATE = 0.5  # acceptance rate assumed before a request has verified any draft
@@ -125,8 +123,7 @@ class DraftPlanner:
     def observe(self, rows: int, seconds: float) -> None:
         b = self.bucket(rows)
         if b is not None:
-            old = self.step_s.get(b)
-            self.step_s[b] = seconds if old is None else (1 - STEP_TIME_EMA) * old + STEP_TIME_EMA * seconds
+            self.step_s[b] = ema(self.step_s.get(b), seconds)
 
     def cost(self, rows: int) -> float | None:
         """Seconds of a step of `rows` rows: measured for its bucket, else (to explore it once) that of the largest
@@ -172,6 +169,16 @@ class DraftPlanner:
         return lengths
 
 
+class Drafter(Protocol):
+    """What the Speculator needs of a model that writes drafts (engine/draft_model.py DraftModel)."""
+
+    def room(self, req: Request) -> int: ...  # most drafts the drafter can write for req this step
+    def cost(self, longest: int) -> float: ...  # seconds of a round whose longest draft has that many tokens
+    def propose(self, batch: Sequence[Request], lengths: Sequence[int]) -> list[tuple[int, ...]]: ...
+    def release(self, req: Request) -> None: ...  # req finished: its state goes
+    def stop(self) -> None: ...  # engine shutdown
+
+
 class Speculator:
     """The scheduler's view of speculation: proposals and draft lengths for a decode batch, and what came of them.
     With a draft model (engine/draft_model.py) the lengths are planned first, from each request's room and the
@@ -179,7 +186,7 @@ class Speculator:
     and cost nothing."""
 
     def __init__(self, buckets: Sequence[int], ready: Callable[[int], bool], max_draft: int,
-                 drafter: DraftModel | None = None, share: bool = True) -> None:
+                 drafter: Drafter | None = None, share: bool = True) -> None:
         """share: n-gram drafts may also come from finished requests' text (engine/suffix_index.py)."""
         self.planner = DraftPlanner(buckets, ready)
         self.max_draft = max_draft
@@ -202,7 +209,8 @@ class Speculator:
             rooms.append(max(0, room if self.drafter is None else min(room, self.drafter.room(req))))
         rates = [req.spec.rate if req.spec is not None else 0.0 for req in batch]
         if self.drafter is None:
-            proposals = [_grammar_cut(req, self._lookup(req, room)) if room > 0 else () for req, room in zip(batch, rooms)]
+            proposals = [_grammar_cut(req, self._lookup(req, room)) if room > 0 else ()
+                         for req, room in zip(batch, rooms)]
             if not any(proposals):
                 return self._no_drafts(batch)
             lengths = self.planner.plan(rates, [len(p) for p in proposals], budget)
@@ -220,8 +228,9 @@ class Speculator:
     def _lookup(self, req: Request, k: int) -> list[int]:
         """An n-gram proposal: from the request's own text, else from other requests' (engine/suffix_index.py)."""
         assert req.spec is not None
-        own = req.spec.index.propose(req.all_ids, k)
-        return own if own or self.shared is None else self.shared.propose(req.all_ids, k)
+        ids = req.all_ids
+        own = req.spec.index.propose(ids, k)
+        return own if own or self.shared is None else self.shared.propose(ids, k)
 
     def forget(self, req: Request) -> None:
         """A request finished: the drafter's state of it goes, and (n-grams) its text joins the shared index."""
@@ -252,3 +261,8 @@ def _grammar_cut(req: Request, draft: Sequence[int]) -> tuple[int, ...]:
     if draft and req.matcher is not None:
         draft = draft[: req.matcher.validate_tokens(list(draft))]
     return tuple(draft)
+
+
+def ema(old: float | None, new: float, weight: float = STEP_TIME_EMA) -> float:
+    """An exponential moving average's next value (the first sample starts it)."""
+    return new if old is None else (1 - weight) * old + weight * new

@@ -17,6 +17,7 @@ from engine.request import Pooling
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
+    from engine.decode_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -109,17 +110,14 @@ class EngineStats:
             steps_per_bucket=tuple(sorted(dict(graphs.steps_per_bucket).items())),
             compile_seconds=tuple(sorted(dict(graphs.compile_seconds).items())),
             bucket_sources=tuple(sorted(dict(graphs.sources).items())),
-            ready_buckets=tuple(graphs.ready_buckets) if graphs.compiled else (),
+            ready_buckets=_ready(graphs),
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
             spec_verify_steps=spec.verify_steps if spec else 0,
-            draft_ready_buckets=_draft_ready(core),
+            draft_ready_buckets=None if core.drafter is None else _ready(core.drafter.runner.graphs),
             kv_disk=dataclasses.replace(kvm.disk.stats) if kvm.disk is not None else None,
         )
 
 
-def _draft_ready(core: EngineCore) -> tuple[int, ...] | None:
-    drafter = core.speculator.drafter if core.speculator is not None else None
-    if drafter is None:
-        return None
-    graphs = drafter.runner.graphs
+def _ready(graphs: DecodeGraphs) -> tuple[int, ...]:
+    """The compiled buckets ready to run (none when the graphs run eagerly)."""
     return tuple(graphs.ready_buckets) if graphs.compiled else ()

@@ -87,7 +87,7 @@ def check_accounting(core: EngineCore) -> None:
 
 def check_drafter(core: EngineCore, idle: bool = False) -> None:
     """A draft model's pool holds exactly its per-request states' slots and rows, none of a finished request."""
-    drafter = core.speculator.drafter if core.speculator is not None else None
+    drafter = core.drafter
     if drafter is None:
         return
     assert not any(r.finished for r in drafter.states)
