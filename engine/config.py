@@ -51,6 +51,9 @@ class EngineConfig:
     # MiB of the prefix cache's disk tier under compile_cache_dir (engine/kv_disk.py): cached K/V written through,
     # read back on a miss, kept across restarts; 0 = off
     kv_disk_cache_size: int = 0
+    # Sliding-window models with the prefix cache on: window-layer slots per token-pool slot (engine/window_slots.py).
+    # Only positions in some request's window need theirs; the rest keep cached prefixes resumable at more points.
+    window_kv_ratio: float = 0.25
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32"):
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"decode buckets must be positive integers, got {self.decode_buckets}")
         if not 0.0 < self.mem_fraction < 1.0:
             raise ValueError("mem_fraction must be in (0, 1)")
+        if not 0.0 < self.window_kv_ratio <= 1.0:
+            raise ValueError("window_kv_ratio must be in (0, 1]")
         if self.pooling not in ("auto", "mean", "last"):
             raise ValueError(f"pooling must be auto, mean or last, got {self.pooling!r}")
         if self.speculative not in SPECULATIVE_MODES:

@@ -45,7 +45,7 @@ class EngineCore:
         self.runner = ModelRunner(config, checkpoint, on_bucket, prepared)
         self.max_context = self.runner.max_context
         # With the prefix cache off, sliding-window layers keep only each request's last window of K/V (rings,
-        # engine/pools.py WindowKVPool); with it on, they are in the token pool like the other layers.
+        # engine/pools.py WindowKVPool); with it on, in slots of their own (engine/window_slots.py).
         prefix_cache = not config.disable_prefix_cache
         disk = None
         if prefix_cache and config.kv_disk_cache_size and config.compile_cache_dir:
@@ -54,8 +54,9 @@ class EngineCore:
                                self.runner.kv_pool)
             log.info("KV disk tier: %s, up to %d MiB (%.0f MiB there now)", disk.dir, config.kv_disk_cache_size,
                      disk.stats.bytes / 2**20)
-        self.kvm = KVManager(self.runner.kv_pool, self.runner.req_pool, prefix_cache=prefix_cache, disk=disk)
         mc = self.model_config
+        self.kvm = KVManager(self.runner.kv_pool, self.runner.req_pool, prefix_cache=prefix_cache, disk=disk,
+                             window=mc.sliding_window)
         # Drafts are verified as extra decode rows of their request; a sliding-window layer's ring would let a later
         # draft overwrite the position a window back that an earlier row still reads, so rings mean no drafts.
         graphs = self.runner.graphs

@@ -59,10 +59,12 @@ class DraftModel:
         # each hold their own copy here; the pool then evicts idle requests' K/V, and a request it cannot fit does
         # not draft that step).
         slots = target_slots + rows * (config.num_speculative_tokens + 1)
-        # The prefix cache flag only decides where window layers keep K/V: in the token pool (not rings), so a
-        # request's catch-up and draft rows can share a step.
+        # The prefix cache flag only decides where window layers keep K/V: a slot per position (not rings), so a
+        # request's catch-up and draft rows can share a step; as many window slots as pool slots, since nothing here
+        # gives window slots back early (engine/window_keeper.py runs for the target's pool only).
         self.config = dataclasses.replace(config, model=config.draft_model, draft_model=None, speculative="off",
-                                          max_total_tokens=slots, kv_disk_cache_size=0, disable_prefix_cache=False)
+                                          max_total_tokens=slots, kv_disk_cache_size=0, disable_prefix_cache=False,
+                                          window_kv_ratio=1.0)
         path = resolve_model_path(config.draft_model)
         prepared = PreparedModel(config.compile_cache_dir, path) if config.compile_cache_dir else None
         checkpoint = open_cached(config.draft_model, prepared)

@@ -16,6 +16,9 @@ kept across restarts and shared by replicas on one volume.
   or none; each file carries a header with the identity, the block's tokens and a CRC32 of the payload, checked
   on every read: a torn, foreign or corrupt file is removed, never served. Temporary files of a writer killed
   mid-write are removed at start once they are old.
+- **Window layers.** With sliding-window layers in slots of their own (engine/window_slots.py) a block stores the
+  token pool's layers, then the window layers'; tokens whose window K/V was already given back store zeros there and
+  are listed in the header, and a load gives them no window slot either (so they are never read as K/V).
 - **Bounded.** `--kv-disk-cache-size` MiB; past it the least recently used files go (a hit refreshes a file's
   mtime, so replicas sharing the volume agree on recency).
 """
@@ -69,7 +72,8 @@ class DiskKVStore:
         self.capacity, self.kv = capacity_bytes, kv
         self.stats = DiskStats()
         self._known: set[str] = set()  # blocks this process knows are on disk (a hint: files may go)
-        self._queue: queue.Queue[tuple[str, list[int], torch.Tensor] | None] = queue.Queue(WRITE_QUEUE_BLOCKS)
+        self._queue: queue.Queue[tuple[str, list[int], torch.Tensor, list[int]] | None] = queue.Queue(
+            WRITE_QUEUE_BLOCKS)
         self._sweep_tmp()
         self.stats.bytes = sum(size for _, size, _ in self._files())
         self._writer = threading.Thread(target=self._write_loop, name="ember-kv-disk", daemon=True)
@@ -100,29 +104,41 @@ class DiskKVStore:
                 continue
             span = slots[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS]
             # As bytes: the same for every KV dtype (fp8 has no stack kernel; int8 rows carry their scale inside)
-            payload = torch.stack([torch.stack((k.view(torch.uint8)[span], v.view(torch.uint8)[span]))
-                                   for k, v in zip(self.kv.k, self.kv.v)])
+            payload = torch.stack([torch.stack((k.view(torch.uint8)[at], v.view(torch.uint8)[at]))
+                                   for k, v, at in self._layers(span)])
+            # Tokens whose window layers' K/V were given back (engine/window_slots.py) store slot 0's zeros there
+            # and are listed, so a load gives them none either.
+            absent = [] if self.kv.window is None else (~self.kv.window.present(span)).nonzero().flatten().tolist()
             try:
-                self._queue.put_nowait((name, list(ids[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS]), payload))
+                self._queue.put_nowait((name, list(ids[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS]), payload, absent))
             except queue.Full:
                 self._known.discard(name)
                 self.stats.dropped_blocks += 1
 
+    def _layers(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(K buffer, V buffer, rows of `slots` in them) for every layer: the token pool's, then the window layers'
+        own slots when they have them."""
+        out = [(k, v, slots) for k, v in zip(self.kv.k, self.kv.v)]
+        if self.kv.window is not None:
+            rows = self.kv.window.map[slots].to(torch.int64)
+            out += [(k, v, rows) for k, v in zip(self.kv.window.k, self.kv.window.v)]
+        return out
+
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            name, tokens, payload = item
+            name, tokens, payload, absent = item
             try:
-                self._write(name, tokens, payload)
+                self._write(name, tokens, payload, absent)
             except OSError as exc:  # a full or read-only volume: serving goes on without the tier
                 log.warning("KV disk tier: could not write block %s: %s", name, exc)
             finally:
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _write(self, name: str, tokens: list[int], payload: torch.Tensor) -> None:
+    def _write(self, name: str, tokens: list[int], payload: torch.Tensor, absent: list[int]) -> None:
         raw = payload.numpy().tobytes()
         header = json.dumps({"identity": self.identity, "tokens": tokens, "dtype": str(self.kv.k[0].dtype),
-                             "shape": list(payload.shape), "crc32": zlib.crc32(raw)}).encode()
+                             "shape": list(payload.shape), "absent": absent, "crc32": zlib.crc32(raw)}).encode()
         path = self._path(name)
         tmp = path.with_name(f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
@@ -151,16 +167,20 @@ class DiskKVStore:
         parts: list[torch.Tensor] = []
         covered = have
         for j, name in enumerate(self.block_names(ids, blocks)[first:], start=first):
-            payload = self._read(name, ids[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS])
-            if payload is None:
+            block = self._read(name, ids[j * BLOCK_TOKENS : (j + 1) * BLOCK_TOKENS])
+            if block is None:
                 break
+            payload, absent = block
             skip = covered - j * BLOCK_TOKENS  # the first block may overlap the tree's match
             slots = allocate(BLOCK_TOKENS - skip)
             if slots is None:
                 break
-            for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
-                k.view(torch.uint8)[slots] = payload[layer, 0, skip:]
-                v.view(torch.uint8)[slots] = payload[layer, 1, skip:]
+            for layer, (k, v, at) in enumerate(self._layers(slots)):
+                k.view(torch.uint8)[at] = payload[layer, 0, skip:]
+                v.view(torch.uint8)[at] = payload[layer, 1, skip:]
+            gone = [i - skip for i in absent if i >= skip]
+            if gone and self.kv.window is not None:
+                self.kv.window.detach(slots[gone])
             parts.append(slots)
             covered = (j + 1) * BLOCK_TOKENS
             self.stats.hit_blocks += 1
@@ -170,7 +190,7 @@ class DiskKVStore:
             return have, torch.empty(0, dtype=torch.int64)
         return covered, torch.cat(parts)
 
-    def _read(self, name: str, tokens: list[int]) -> torch.Tensor | None:
+    def _read(self, name: str, tokens: list[int]) -> tuple[torch.Tensor, list[int]] | None:
         path = self._path(name)
         try:
             data = path.read_bytes()
@@ -190,8 +210,9 @@ class DiskKVStore:
             pass
         return payload
 
-    def _parse(self, data: bytes, tokens: list[int]) -> torch.Tensor | None:
-        """The payload of a block file, or None unless it is whole, this model's and these tokens'."""
+    def _parse(self, data: bytes, tokens: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+        """The payload of a block file and its tokens without window K/V, or None unless it is whole, this model's
+        and these tokens'."""
         if len(data) < 12 or data[:8] != MAGIC:
             return None
         (hlen,) = struct.unpack("<I", data[8:12])
@@ -201,12 +222,16 @@ class DiskKVStore:
             return None
         raw = data[12 + hlen :]
         k0 = self.kv.k[0]
-        want_shape = [len(self.kv.k), 2, BLOCK_TOKENS, *k0.view(torch.uint8).shape[1:]]  # bytes, see `save`
+        layers = len(self.kv.k) + (len(self.kv.window.k) if self.kv.window is not None else 0)
+        want_shape = [layers, 2, BLOCK_TOKENS, *k0.view(torch.uint8).shape[1:]]  # bytes, see `save`
+        absent = header.get("absent")
         if (header.get("identity") != self.identity or header.get("tokens") != tokens
                 or header.get("dtype") != str(k0.dtype) or header.get("shape") != want_shape
-                or header.get("crc32") != zlib.crc32(raw) or len(raw) != math.prod(want_shape)):
+                or header.get("crc32") != zlib.crc32(raw) or len(raw) != math.prod(want_shape)
+                or not isinstance(absent, list) or not all(isinstance(i, int) and 0 <= i < BLOCK_TOKENS
+                                                           for i in absent)):
             return None
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(want_shape)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(want_shape), absent
 
     # ---- size, flush ------------------------------------------------------------------------------------
     def _files(self) -> list[tuple[float, int, Path]]:

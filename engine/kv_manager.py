@@ -15,6 +15,7 @@ from engine.kv_disk import BLOCK_TOKENS, DiskKVStore
 from engine.pools import KVPool, ReqToTokenPool
 from engine.radix_cache import RadixCache, TreeNode
 from engine.request import Request
+from engine.window_keeper import WindowKeeper
 
 
 @dataclass
@@ -30,10 +31,12 @@ class CacheStats:
 
 class KVManager:
     def __init__(self, kv: KVPool, req_pool: ReqToTokenPool, prefix_cache: bool,
-                 disk: DiskKVStore | None = None) -> None:
+                 disk: DiskKVStore | None = None, window: int = 0) -> None:
+        """window: the sliding window of the layers whose K/V live in `kv.window` (engine/window_slots.py)."""
         self.kv, self.req_pool = kv, req_pool
         self.cache = RadixCache(kv) if prefix_cache else None
         self.disk = disk if prefix_cache else None  # the prefix cache's disk tier (engine/kv_disk.py)
+        self.windows = WindowKeeper(kv.window, window, req_pool) if kv.window is not None else None
         self.stats = CacheStats()
 
     # ---- sizes ----------------------------------------------------------------------------------------
@@ -49,11 +52,21 @@ class KVManager:
         return self.cache.total_size if self.cache else 0
 
     def allocate(self, n: int) -> torch.Tensor | None:
-        """n slots, evicting unused cache entries if the free list is short; None when even that is not enough."""
+        """n slots, evicting unused cache entries if the free list is short (and taking unpinned cached positions'
+        window slots if those are short); None when even that is not enough."""
         short = n - self.kv.available_size()
         if short > 0 and self.cache is not None:
             self.stats.evicted_tokens += self.cache.evict(short)
+        if self.windows is not None and self.cache is not None:
+            short = n - self.windows.slots.available_size()
+            if short > 0:
+                self.windows.reclaim(self.cache, short)
         return self.kv.allocate(n)
+
+    def sync_windows(self, admitted: list[Request]) -> None:
+        """Before a step's allocations: window slots of positions out of the admitted requests' windows go back."""
+        if self.windows is not None:
+            self.windows.sync(admitted)
 
     # ---- a request's life -------------------------------------------------------------------------------
     def match(self, req: Request) -> int:
@@ -69,9 +82,15 @@ class KVManager:
         slots, node = self.cache.match(ids)
         if self.disk is not None and reuse:
             slots, node = self._load_from_disk(ids, slots, node)
+        if self.windows is not None and slots.numel():
+            resume = self.windows.resume_len(slots)
+            if resume < slots.numel():  # the window before the match's end was trimmed: resume earlier
+                slots, node = self.cache.match(ids[:resume])
         self.cache.lock(node)
         req.cache_node, req.cached_len = node, slots.numel()
         self.req_pool.table[req.req_row, : req.cached_len] = slots.to(torch.int32)
+        if self.windows is not None:
+            self.windows.admitted(req)
         if reuse:
             self.stats.queried_tokens += req.fill_len
             self.stats.hit_tokens += req.cached_len
@@ -92,6 +111,8 @@ class KVManager:
 
     def unmatch(self, req: Request) -> None:
         """Undo `match` for a request that is not admitted after all."""
+        if self.windows is not None and req.req_row:
+            self.windows.released(req)
         if self.cache is not None and req.cache_node is not None:
             self.cache.unlock(req.cache_node)
             if req.pooling != "mean":
@@ -121,6 +142,9 @@ class KVManager:
         released request holds row 0)."""
         if not req.req_row:
             return
+        if self.windows is not None:
+            self.windows.sync([req])  # (its last step moved its window on)
+            self.windows.released(req)
         if self.cache is None:
             self.kv.free(self.req_pool.table[req.req_row, req.cached_len : req.kv_len].to(torch.int64))
         else:
@@ -140,7 +164,12 @@ class KVManager:
         row = self.req_pool.table[req.req_row]
         ids = req.all_ids[: req.kv_len]
         had = self.cache.insert(ids, row[: req.kv_len].to(torch.int64))
-        self.kv.free(row[req.cached_len : had].to(torch.int64))  # had >= cached_len: that prefix is locked
+        own = row[req.cached_len : had].to(torch.int64)  # had >= cached_len: that prefix is locked
+        if self.windows is not None and own.numel():
+            # The tree's copy of these positions may have given its window K/V back while this request still reads
+            # them: it takes this request's instead (same tokens, same positions).
+            self.windows.slots.adopt(self.cache.match(ids[:had])[0][req.cached_len :], own)
+        self.kv.free(own)
         return ids
 
     def flush(self) -> int:
@@ -163,3 +192,5 @@ class KVManager:
                 assert r.cached_len == 0 and r.cache_node is None
         owned = torch.cat(parts).sort().values
         assert torch.equal(owned, torch.arange(1, self.kv.num_slots + 1)), "a KV slot is owned twice or lost"
+        if self.windows is not None:
+            self.windows.check(admitted)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from engine.ops.linear import can_pack
 from engine.ops.native import describe_tiers
 from engine.quant.module import describe_weights, weight_bytes
 from engine.pools import KVPool, ReqToTokenPool, WindowKVPool
+from engine.window_slots import WindowSlots
 
 log = logging.getLogger("ember.runner")
 
@@ -50,23 +52,40 @@ class KVMemoryError(MemoryError):
     pass
 
 
-def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int, pool_layers: int, ring_bytes: int = 0) -> int:
+def size_kv_pool(config: EngineConfig, mc: ModelConfig, max_context: int, pool_layers: int, ring_bytes: int = 0,
+                 window_layers: int = 0) -> int:
     """Slots of the token pool, whose `pool_layers` layers share the memory budget with the window rings' fixed
-    `ring_bytes` (engine/pools.py WindowKVPool)."""
+    `ring_bytes` (engine/pools.py WindowKVPool) or with `window_layers` layers in slots of their own, window_kv_ratio
+    of them a token-pool slot (engine/window_slots.py)."""
     # The KV dtype's bytes, an int8 cache's scales included: int8 fits ~2x the tokens of bf16 in one budget.
     per_slot = KVPool.bytes_per_slot(pool_layers, mc.num_kv_heads, mc.head_dim, config.kv_torch_dtype)
+    per_window = KVPool.bytes_per_slot(window_layers, mc.num_kv_heads, mc.head_dim, config.kv_torch_dtype)
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     budget = psutil.virtual_memory().available * config.mem_fraction - ring_bytes
-    slots = min(int(max(budget, 0) // max(per_slot, 1)), config.max_running_requests * max_context)
+    cost = per_slot + config.window_kv_ratio * per_window
+    slots = min(int(max(budget, 0) // max(cost, 1)), config.max_running_requests * max_context)
+    if window_layers:  # the window slots' floor may take more than the ratio's share
+        slots = min(slots, int(max(budget - window_slot_floor(config, mc.sliding_window) * per_window, 0)
+                               // max(per_slot, 1)))
     if slots < max_context:
-        need = max_context * per_slot / 2**30
+        need = max_context * cost / 2**30
         raise KVMemoryError(
             f"the KV pool needs {need:.2f} GiB to hold one full-context request ({max_context} tokens) but "
             f"--mem-fraction {config.mem_fraction} of available memory gives {budget / 2**30:.2f} GiB; raise "
             "--mem-fraction, lower --max-context-len, or set --max-total-tokens"
         )
     return slots
+
+
+def window_slot_floor(config: EngineConfig, window: int) -> int:
+    """Window slots that never run out (engine/window_keeper.py): every admitted request's window plus one step's
+    allocations."""
+    return config.max_running_requests * (window - 1) + max(config.chunked_prefill_size, max(config.buckets)) + 1
+
+
+def window_slot_count(config: EngineConfig, window: int, num_slots: int) -> int:
+    return min(num_slots, max(window_slot_floor(config, window), math.ceil(config.window_kv_ratio * num_slots)))
 
 
 class ModelRunner:
@@ -98,37 +117,55 @@ class ModelRunner:
 
     def _make_pools(self, config: EngineConfig, mc: ModelConfig) -> None:
         """The request table, the token pool of the full-attention layers and, when the model has sliding-window
-        layers whose window is shorter than the context and the prefix cache is off, their rings; k_caches/v_caches
-        list one buffer per layer.
-
-        With the prefix cache on, window layers keep their K/V in the token pool too (read through a window of the
-        request's row, engine/model/window.py): a cached prefix then carries what its window layers need, at the cost
-        of every layer's K/V per cached token instead of a fixed window per request (docs/models.md)."""
+        layers whose window is shorter than the context, their K/V: per-request rings with the prefix cache off;
+        with it on, slots of their own, one per token-pool slot whose position is still in some window or cached
+        (engine/window_slots.py), so a cached prefix carries what its window layers need. k_caches/v_caches list one
+        buffer per layer."""
         dtype, rows = config.kv_torch_dtype, config.max_running_requests  # the KV's storage (--kv-cache-dtype)
-        rings = getattr(self.model, "needs_rings", False) and config.disable_prefix_cache
-        windowed = sorted(mc.window_layers) if rings else []
+        needs = getattr(self.model, "needs_rings", False)
+        rings, split = needs and config.disable_prefix_cache, needs and not config.disable_prefix_cache
+        windowed = sorted(mc.window_layers) if needs else []
         full = [i for i in range(mc.num_layers) if i not in windowed]
         ring_bytes = WindowKVPool.bytes_for(rows, mc.sliding_window, len(windowed), mc.num_kv_heads, mc.head_dim,
-                                            dtype) if windowed else 0
-        num_slots = size_kv_pool(config, mc, self.max_context, len(full), ring_bytes)
+                                            dtype) if rings else 0
+        num_slots = size_kv_pool(config, mc, self.max_context, len(full), ring_bytes, len(windowed) if split else 0)
+        if split and num_slots > rows * self.max_context:
+            # The window map covers rows x max_context slots (below): a fixed shape, as a compiled step needs.
+            log.warning("KV pool capped at %d slots (max running requests x max context) for the window map",
+                        rows * self.max_context)
+            num_slots = rows * self.max_context
         self.req_pool = ReqToTokenPool(rows, self.max_context)
         self.kv_pool = KVPool(num_slots, len(full), mc.num_kv_heads, mc.head_dim, dtype)
         self.window_pool = None
         layers_k, layers_v = dict(zip(full, self.kv_pool.k)), dict(zip(full, self.kv_pool.v))
-        if windowed:
+        if rings:
             self.window_pool = WindowKVPool(rows, mc.sliding_window, len(windowed), mc.num_kv_heads, mc.head_dim, dtype)
             layers_k.update(zip(windowed, self.window_pool.k))
             layers_v.update(zip(windowed, self.window_pool.v))
             self.model.use_rings(self.window_pool.table)
+        if split:
+            # The map covers every slot a pool under these flags can have, so its shape (a compiled step's constant)
+            # does not follow the memory free at start.
+            map_size = rows * self.max_context + 1
+            ws = self.kv_pool.window = WindowSlots(window_slot_count(config, mc.sliding_window, num_slots), map_size,
+                                                   len(windowed), mc.num_kv_heads, mc.head_dim, dtype)
+            layers_k.update(zip(windowed, ws.k))
+            layers_v.update(zip(windowed, ws.v))
+            self.model.use_window_slots(ws.map)
         self.k_caches = [layers_k[i] for i in range(mc.num_layers)]
         self.v_caches = [layers_v[i] for i in range(mc.num_layers)]
         per_slot = self.kv_bytes_per_token = KVPool.bytes_per_slot(len(full), mc.num_kv_heads, mc.head_dim, dtype)
         log.info("KV pool: %d slots of %s (%d bytes a token, %.2f GiB) for %d layers, max context %d, max running "
                  "requests %d", num_slots, config.kv_cache_dtype_name, per_slot, num_slots * per_slot / 2**30,
                  len(full), self.max_context, rows)
-        if windowed:
+        if rings:
             log.info("sliding-window KV: %d layers keep the last %d positions per request, %d rings (%.2f GiB)",
                      len(windowed), mc.sliding_window, rows, ring_bytes / 2**30)
+        if split:
+            win = KVPool.bytes_per_slot(len(windowed), mc.num_kv_heads, mc.head_dim, dtype)
+            log.info("sliding-window KV: %d layers (window %d) in %d slots of their own (%d bytes a token, %.2f GiB): "
+                     "the positions in running requests' windows and the most recently used cached ones",
+                     len(windowed), mc.sliding_window, ws.num_slots, win, ws.num_slots * win / 2**30)
 
     def _compile_child_spawner(self) -> Callable[[list[int]], CompileChild] | None:
         """How a background compile starts its child process (engine/compile_child.py): only with a folder of saved
@@ -151,13 +188,17 @@ class ModelRunner:
             return None
         cfg, mc = self.config, self.model_config
         rings = self.window_pool.k[0].shape if self.window_pool is not None else None
+        window_map = self.kv_pool.window.map.shape if self.kv_pool.window is not None else None
         digest = _digest([torch.backends.cpu.get_cpu_capability(), cfg.cpp_wrapper, "kv slots symbolic",
-                          tuple(self.req_pool.table.shape), None if rings is None else tuple(rings), *self._kv_parts()])
+                          tuple(self.req_pool.table.shape), None if rings is None else tuple(rings),
+                          None if window_map is None else ("window map", tuple(window_map)), *self._kv_parts()])
         return Path(cfg.compile_cache_dir) / "decode-steps" / f"{mc.name}-{digest}"
 
     def _kv_parts(self) -> list[object]:
+        # (Window layers in slots of their own come after the pool's in a disk block: a layout of its own.)
+        split = "window slots" if self.kv_pool.window is not None else "one pool"
         return [torch.__version__, repr(self.model_config), self.config.dtype, f"kv {self.config.kv_cache_dtype_name}",
-                self.weights_tag, [tuple(k.shape[1:]) for k in self.k_caches]]
+                self.weights_tag, [tuple(k.shape[1:]) for k in self.k_caches], split]
 
     def kv_identity(self, checkpoint_fingerprint: str) -> str:
         """What cached K/V depend on (the disk tier's key, engine/kv_disk.py): the checkpoint's files, the model, the

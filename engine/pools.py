@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.ops.kv_quant import row_elements
+from engine.window_slots import WindowSlots
 
 
 class ReqToTokenPool:
@@ -62,6 +63,9 @@ class KVPool:
             t[0].zero_()
         self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
         self._in_use = torch.zeros(num_slots + 1, dtype=torch.bool)
+        # The window layers' own slots (engine/window_slots.py): each allocated slot takes one, each freed slot gives
+        # its one back. None: every layer's K/V is in the buffers above.
+        self.window: WindowSlots | None = None
 
     @staticmethod
     def bytes_per_slot(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -80,13 +84,18 @@ class KVPool:
     def check(self) -> None:
         """Raise if the in-use flags and the free list disagree on how many slots are taken."""
         assert int(self._in_use.sum()) == self.used_size(), "KV in-use flags and free list disagree"
+        if self.window is not None:
+            self.window.check(self._in_use)
 
     def allocate(self, n: int) -> torch.Tensor | None:
-        """n distinct free slots (int64), or None when fewer than n are free (nothing is taken then)."""
-        if n > self._free.numel():
+        """n distinct free slots (int64), each with a window slot when there are window layers, or None when fewer
+        than n are free (nothing is taken then)."""
+        if n > self._free.numel() or (self.window is not None and n > self.window.available_size()):
             return None
         out, self._free = self._free[:n], self._free[n:]
         self._in_use[out] = True
+        if self.window is not None:
+            self.window.attach(out)
         return out
 
     def free(self, slots: torch.Tensor) -> None:
@@ -94,6 +103,8 @@ class KVPool:
             return
         if bool((slots <= 0).any()) or not bool(self._in_use[slots].all()) or slots.unique().numel() != slots.numel():
             raise RuntimeError("KV slots freed twice or never allocated")
+        if self.window is not None:
+            self.window.detach(slots)
         self._in_use[slots] = False
         self._free = torch.cat([self._free, slots.to(torch.int64)])
 

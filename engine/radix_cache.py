@@ -162,6 +162,15 @@ class RadixCache:
         return out
 
     # ---- introspection (tests, metrics) ----------------------------------------------------------------
+    def nodes(self) -> list[TreeNode]:
+        """Every node but the root."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
     def all_slots(self) -> torch.Tensor:
         parts, stack = [], [self.root]
         while stack:

@@ -40,6 +40,10 @@ class Request:
     cached_len: int = 0  # of which the first cached_len are prefix-cache slots, locked through cache_node
     cache_node: Any = None  # the RadixCache node this request's cached prefix ends at (engine/kv_manager.py)
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission (reported)
+    # Window layers with their own slots (engine/window_slots.py): own positions below window_from gave theirs back;
+    # the cached positions [start, end) of window_pinned are pinned (the request's window still reads them)
+    window_from: int = 0
+    window_pinned: tuple[int, int] = (0, 0)
     # llguidance matcher of params.grammar, advanced by every output token (engine thread only). Retraction keeps
     # output_ids, so the matcher never needs rolling back.
     matcher: Any = None

@@ -100,6 +100,7 @@ class Scheduler:
     def schedule(self) -> ForwardBatch | None:
         """The next forward: a prefill batch while prompts wait (a decode step between them as DECODE_SHARE and
         chunked_prefill_size say), else the running decode batch; None when nothing can run."""
+        self.kvm.sync_windows([*self.prefilling, *self.running])
         want_prefill = bool(self.waiting or self.prefilling)
         decode_due = (self._prefill_since_decode >= self.config.chunked_prefill_size
                       or self._prefill_s_since_decode >= DECODE_SHARE * self._last_decode_s)

@@ -39,6 +39,9 @@ class EngineInfo:
     hidden_size: int  # the embeddings' length
     # "ngram", "draft" or "off" (also off for a sliding-window model on rings: --disable-prefix-cache)
     speculative: str
+    # Window layers in slots of their own (engine/window_slots.py): how many, one token's bytes in them; 0 = none
+    window_slots: int = 0
+    window_bytes_per_token: int = 0
 
     @classmethod
     def of(cls, core: EngineCore) -> EngineInfo:
@@ -53,7 +56,8 @@ class EngineInfo:
                    weight_bytes=runner.weight_bytes, file_bytes=runner.file_bytes,
                    quantized_formats=dict(quantized_formats(runner.model)),
                    pooling=core.pooling, hidden_size=core.model_config.hidden_size,
-                   speculative=core.config.speculative if core.speculator is not None else "off")
+                   speculative=core.config.speculative if core.speculator is not None else "off",
+                   **_window_info(core))
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ class EngineStats:
     spec_verify_steps: int = 0
     draft_ready_buckets: tuple[int, ...] | None = None  # a draft model's compiled decode buckets (None: no draft)
     kv_disk: DiskStats | None = None  # the prefix cache's disk tier (a copy), None when it is off
+    # window layers' own slots: in use (admitted requests' windows and cached positions), and given back so far by
+    # requests whose window moved on / taken from cached positions when they ran short
+    window_used_slots: int = 0
+    window_trimmed_tokens: int = 0
+    window_reclaimed_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -115,7 +124,17 @@ class EngineStats:
             spec_verify_steps=spec.verify_steps if spec else 0,
             draft_ready_buckets=None if core.drafter is None else _ready(core.drafter.runner.graphs),
             kv_disk=dataclasses.replace(kvm.disk.stats) if kvm.disk is not None else None,
+            **({} if kvm.windows is None else dict(window_used_slots=kvm.windows.slots.used_size(),
+                                                   window_trimmed_tokens=kvm.windows.trimmed_own,
+                                                   window_reclaimed_tokens=kvm.windows.reclaimed)),
         )
+
+
+def _window_info(core: EngineCore) -> dict[str, int]:
+    ws = core.runner.kv_pool.window
+    if ws is None:
+        return {}
+    return dict(window_slots=ws.num_slots, window_bytes_per_token=2 * len(ws.k) * ws.k[0][0].numel() * ws.k[0].itemsize)
 
 
 def _ready(graphs: DecodeGraphs) -> tuple[int, ...]:

@@ -6,8 +6,8 @@ Where it differs from the Llama frame it reuses (engine/model/llama.py):
 - q/k norms (per head, same (1 + weight) form), GeGLU with the tanh GELU, scores scaled by query_pre_attn_scalar.
 - Embeddings are multiplied by sqrt(hidden) rounded to the serving dtype first (55.4256 is 55.5 in bf16), as HF does.
 - Window layers take the local rope base and see only the last `sliding_window` positions: kept in a ring per
-  request when the prefix cache is off (engine/pools.py WindowKVPool, engine/model/window.py), else in the token pool
-  like the full layers' (so cached prefixes hold them too); the full layers take the global base (and scaling).
+  request when the prefix cache is off (engine/pools.py WindowKVPool, engine/model/window.py), else in slots of their
+  own, one per position still in some window (engine/window_slots.py); the full layers take the global base.
 """
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ class Gemma3Model(LlamaModel):
         self.register_buffer("embed_scale", embed_scale, persistent=False)
         self.window_layers = frozenset(cfg.window_layers)
         self.register_buffer("ring_table", None, persistent=False)  # set by use_rings
+        self.register_buffer("window_map", None, persistent=False)  # set by use_window_slots
 
     @staticmethod
     def make_layer(cfg: ModelConfig, index: int) -> nn.Module:
@@ -90,6 +91,11 @@ class Gemma3Model(LlamaModel):
         """Run the window layers over rings (the caches passed for them are then WindowKVPool buffers)."""
         self.ring_table = ring_table
 
+    def use_window_slots(self, window_map: torch.Tensor) -> None:
+        """Run the window layers over slots of their own (the caches passed for them are then WindowSlots buffers,
+        engine/window_slots.py): `window_map` maps each token-pool slot to its window slot."""
+        self.window_map = window_map
+
     def forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
         cfg, positions = self.cfg, batch.positions
         x = embedding(batch.input_ids, self.embed_tokens, self.norm.dtype)
@@ -98,8 +104,8 @@ class Gemma3Model(LlamaModel):
         lcos, lsin = self.local_cos[positions].to(x.dtype), self.local_sin[positions].to(x.dtype)
         if self.ring_table is not None:
             local = window_meta(batch, self.ring_table, cfg.sliding_window)
-        elif self.needs_rings:  # no rings: the window layers' K/V are in the token pool (the prefix cache on)
-            local = pool_window_meta(batch, cfg.sliding_window)
+        elif self.needs_rings:  # no rings (the prefix cache on): a slot per position, through window_map if set
+            local = pool_window_meta(batch, cfg.sliding_window, self.window_map)
         else:
             local = batch
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):

@@ -48,6 +48,7 @@ class WindowPoolPrefillMeta:
 
     batch: ForwardBatch
     window: int
+    slot_map: torch.Tensor | None  # token-pool slot -> window slot (engine/window_slots.py); None: the same slots
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -56,21 +57,26 @@ class WindowPoolPrefillMeta:
         b = self.batch
         assert b.req_to_token is not None and b.prefix_lens is not None and b.prefill_lens is not None
         return window_pool_prefill_attention(q, k, v, k_cache, v_cache, b.out_slots, b.req_to_token, b.req_rows,
-                                             b.prefix_lens, b.prefill_lens, self.window, scale)
+                                             b.prefix_lens, b.prefill_lens, self.window, scale, self.slot_map)
 
 
-def pool_window_meta(batch: ForwardBatch, window: int) -> ForwardBatch | WindowPoolPrefillMeta:
-    """Window layers over the token pool: a decode row attends to the last min(p + 1, window) positions of its
+def pool_window_meta(batch: ForwardBatch, window: int,
+                     slot_map: torch.Tensor | None = None) -> ForwardBatch | WindowPoolPrefillMeta:
+    """Window layers over per-position slots: a decode row attends to the last min(p + 1, window) positions of its
     request, through a [B, window] table gathered from its request-to-token row (entries past its length are not
     read), with the same decode op as every layer. Every position keeps its own slot here, so a cached prefix holds
-    what its window layers need, and drafts never overwrite what an earlier row reads."""
+    what its window layers need, and drafts never overwrite what an earlier row reads. slot_map: the window layers'
+    own slot of each token-pool slot (engine/window_slots.py); the positions a row reads always have one."""
     if not batch.is_decode:
-        return WindowPoolPrefillMeta(batch, window)
+        return WindowPoolPrefillMeta(batch, window, slot_map)
     assert batch.req_to_token is not None and batch.seq_lens is not None
     first = (batch.positions - (window - 1)).clamp(min=0)
     columns = (first[:, None] + torch.arange(window, device=first.device)[None, :]).clamp(
         max=batch.req_to_token.shape[1] - 1)
     table = batch.req_to_token[batch.req_rows[:, None], columns]  # [B, window] int32
+    out_slots = batch.out_slots
+    if slot_map is not None:
+        table, out_slots = slot_map[table], slot_map[out_slots].to(torch.int64)
     rows = torch.arange(batch.positions.shape[0], device=first.device)
-    return ForwardBatch.decode(batch.input_ids, batch.positions, rows, batch.out_slots,
+    return ForwardBatch.decode(batch.input_ids, batch.positions, rows, out_slots,
                                batch.seq_lens.clamp(max=window), req_to_token=table)

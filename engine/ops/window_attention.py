@@ -65,7 +65,7 @@ def window_pool_prefill_attention(
     q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_slots + 1, KVH, D]: a window layer's buffer of the token pool
+    k_cache: torch.Tensor,  # [slots + 1, KVH, D]: a window layer's buffer
     v_cache: torch.Tensor,
     out_slots: torch.Tensor,  # [T] int64
     req_to_token: torch.Tensor,
@@ -74,11 +74,14 @@ def window_pool_prefill_attention(
     prefill_lens: torch.Tensor,  # [N] int64
     window: int,
     scale: float,
+    slot_map: torch.Tensor | None = None,  # token-pool slot -> slot of these buffers (engine/window_slots.py)
 ) -> torch.Tensor:
-    """A window layer's prefill when its K/V live in the token pool like the full layers' (the prefix cache on): every
-    position has its own slot, so the chunk is written first and each request's queries attend their band over the
-    last min(P, window - 1) cached positions plus the chunk. With an int8 / fp8 cache the chunk attends the values
-    later steps read (as prefill_attention does), and only the gathered rows are dequantized."""
+    """A window layer's prefill when every position has its own slot (the prefix cache on): the chunk is written
+    first and each request's queries attend their band over the last min(P, window - 1) cached positions plus the
+    chunk. With an int8 / fp8 cache the chunk attends the values later steps read (as prefill_attention does), and
+    only the gathered rows are dequantized."""
+    if slot_map is not None:
+        out_slots = slot_map[out_slots].to(torch.int64)
     write_rows(k_cache, out_slots, k)
     write_rows(v_cache, out_slots, v)
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -97,6 +100,8 @@ def window_pool_prefill_attention(
             o = F.scaled_dot_product_attention(qs[None], kh[None], vh[None], is_causal=True, scale=scale)[0]
         else:
             slots = req_to_token[row, prefix - old : prefix + ext].to(torch.int64)
+            if slot_map is not None:
+                slots = slot_map[slots].to(torch.int64)
             o = _banded(qs, gather_rows(k_cache, slots, q.dtype).transpose(0, 1),
                         gather_rows(v_cache, slots, q.dtype).transpose(0, 1), old, window, scale, heads != kv_heads)
         out[start : start + ext] = o.transpose(0, 1)

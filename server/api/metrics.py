@@ -64,6 +64,15 @@ class EngineCollector(Collector):
                                       labels=["dtype"])
         per_token.add_metric([info.kv_dtype], info.kv_bytes_per_token)
         yield per_token
+        if info.window_slots:  # sliding-window layers in slots of their own (engine/window_slots.py)
+            yield _gauge("ember:kv_window_total_slots", "Slots of the sliding-window layers' own K/V.",
+                         info.window_slots)
+            yield _gauge("ember:kv_window_used_slots", "Window-layer slots in use: positions in admitted requests' "
+                         "windows and cached positions that kept theirs.", stats.window_used_slots)
+            yield _counter("ember:kv_window_trimmed_tokens", "Window-layer slots given back by requests whose "
+                           "window moved past the position.", stats.window_trimmed_tokens)
+            yield _counter("ember:kv_window_reclaimed_tokens", "Window-layer slots taken from cached positions "
+                           "because the window slots ran short.", stats.window_reclaimed_tokens)
         yield _gauge("ember:prefix_cache_slots", "KV slots holding prefix-cache entries (shared ones included).",
                      stats.prefix_cache_slots)
         yield _counter("ember:prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the prefix cache.",

@@ -101,7 +101,10 @@ async def server_info(request: Request) -> dict[str, Any]:
         "max_context_len": info.max_context,
         "kv_pool_slots": info.kv_slots,
         # The KV cache's storage (--kv-cache-dtype) and one token's bytes in the pool (int8: scales included)
-        "kv_cache": {"dtype": info.kv_dtype, "bytes_per_token": info.kv_bytes_per_token},
+        "kv_cache": {"dtype": info.kv_dtype, "bytes_per_token": info.kv_bytes_per_token,
+                     # sliding-window layers' own slots (docs/prefix-cache.md): how many, a token's bytes there
+                     **({"window_slots": info.window_slots, "window_bytes_per_token": info.window_bytes_per_token,
+                         "window_slots_used": stats.window_used_slots} if info.window_slots else {})},
         "max_running_requests": cfg.max_running_requests,
         "max_queued_requests": cfg.max_queued_requests,
         "chunked_prefill_size": cfg.chunked_prefill_size,

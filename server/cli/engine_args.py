@@ -83,6 +83,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="MiB of the prefix cache's disk tier under --compile-cache-dir: cached K/V is written "
                         "through and read back on a miss, so it survives restarts and is shared by replicas on one "
                         "volume; 0 = off (default: %(default)s)")
+    g.add_argument("--window-kv-ratio", type=float, default=0.25, metavar="R",
+                   help="sliding-window models with the prefix cache on: slots of the window layers' K/V per "
+                        "token-pool slot; only positions still in a request's window need one, the rest keep cached "
+                        "prefixes resumable (at least what the running requests' windows need; default: %(default)s)")
     g.add_argument("--pooling", default="auto", choices=["auto", "mean", "last"],
                    help="how /v1/embeddings pools a prompt's final hidden states; auto: the model folder's "
                         "sentence-transformers pooling config (last token for Qwen3-Embedding), else mean "
@@ -106,5 +110,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         disable_prefix_cache=args.disable_prefix_cache, num_threads=args.num_threads, pooling=args.pooling,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,
-        kv_disk_cache_size=args.kv_disk_cache_size,
+        kv_disk_cache_size=args.kv_disk_cache_size, window_kv_ratio=args.window_kv_ratio,
     )
