@@ -1,8 +1,12 @@
-"""What Gemma 3's sliding window saves: KV memory, prefill time and decode time, rings against full attention.
+"""What Gemma 3's sliding window saves: KV memory, prefill time and decode time, rings and window slots against full
+attention.
 
 A random Gemma-3-270M-shaped model (18 layers, every 6th global, window 512, hidden 640, 4 query heads and 1 KV head
 of 256; a 16k vocabulary so the head does not drown the attention) is served twice from the same weights:
 - rings: the window layers keep the last 512 positions per request (engine/pools.py WindowKVPool);
+- slots: the prefix cache's layout, the window layers in slots of their own read through the token-slot map
+  (engine/window_slots.py); its KV is the token pool plus the window pool at its floor (what a served engine needs:
+  here the requests run without the engine's trimming, so the runner gets a window slot per token);
 - full: the same layers attend over the whole context from the token pool (window_layers emptied), i.e. the KV and
   attention work of an engine without window support, before any masking it would add.
 Both prefill the same long prompts (one request at a time) and then decode them together; prints bytes, seconds
@@ -23,7 +27,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from engine.config import EngineConfig
 from engine.loader import open_checkpoint
 from engine.forward_batch import ForwardBatch, PrefillChunk
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, window_slot_floor
 
 
 def write_model(folder: Path, context: int) -> Path:
@@ -37,20 +41,30 @@ def write_model(folder: Path, context: int) -> Path:
     return folder
 
 
-def runner_for(folder: Path, args: argparse.Namespace, rings: bool) -> ModelRunner:
+def runner_for(folder: Path, args: argparse.Namespace, layout: str) -> ModelRunner:
     checkpoint = open_checkpoint(str(folder))
-    if not rings:
+    if layout == "full":
         checkpoint = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, window_layers=()))
-    # Rings are the window layers' home with the prefix cache off (engine/model_runner.py _make_pools).
+    # Rings are the window layers' home with the prefix cache off (engine/model_runner.py _make_pools), slots with it on.
     config = EngineConfig(model=str(folder), dtype=args.dtype, max_running_requests=args.batch,
                           max_total_tokens=args.batch * (args.context + args.steps + 1), decode_buckets=(args.batch,),
                           disable_compile=True, max_context_len=args.context + args.steps + 1,
-                          disable_prefix_cache=rings)
+                          disable_prefix_cache=layout == "rings", window_kv_ratio=1.0)
     return ModelRunner(config, checkpoint)
 
 
+def kv_bytes(runner: ModelRunner) -> int:
+    """The K/V buffers' bytes; for window slots, the token pool's plus the window pool at its floor."""
+    ws = runner.kv_pool.window
+    if ws is None:
+        return sum(k.numel() * k.element_size() * 2 for k in runner.k_caches)
+    per_slot = 2 * len(ws.k) * ws.k[0][0].numel() * ws.k[0].itemsize
+    pool = sum(k.numel() * k.element_size() * 2 for k in runner.kv_pool.k)
+    return pool + (window_slot_floor(runner.config, runner.model_config.sliding_window) + 1) * per_slot
+
+
 def measure(runner: ModelRunner, prompts: list[list[int]], steps: int) -> dict[str, float]:
-    kv = sum(k.numel() * k.element_size() * 2 for k in runner.k_caches)
+    kv = kv_bytes(runner)
     rows, seqs, prefill = [], [], []
     for p in prompts:
         row, slots = runner.req_pool.allocate(), runner.kv_pool.allocate(len(p))
@@ -85,19 +99,21 @@ def main() -> None:
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 16384, (args.context,), generator=g).tolist() for _ in range(args.batch)]
         results = {}
-        for name in ("rings", "full"):
-            runner = runner_for(folder, args, rings=name == "rings")
+        for name in ("rings", "slots", "full"):
+            runner = runner_for(folder, args, name)
             measure(runner, [prompts[0][:600]], 2)  # warm up: first-call costs
-            runner = runner_for(folder, args, rings=name == "rings")
+            runner = runner_for(folder, args, name)
             results[name] = measure(runner, prompts, args.steps)
             del runner
-    r, f = results["rings"], results["full"]
+    r, f, w = results["rings"], results["full"], results["slots"]
     print(f"context {args.context}, batch {args.batch}, {args.dtype}, torch threads {torch.get_num_threads()}")
     print(f"{'':10} {'KV GiB':>8} {'prefill s/prompt':>17} {'decode ms/step':>15}")
     for name, m in results.items():
         print(f"{name:10} {m['kv_gib']:8.3f} {m['prefill_s']:17.2f} {m['step_ms']:15.1f}")
     print(f"{'full/rings':10} {f['kv_gib'] / r['kv_gib']:8.2f}x {f['prefill_s'] / r['prefill_s']:16.2f}x "
           f"{f['step_ms'] / r['step_ms']:14.2f}x")
+    print(f"{'slots/rings':10} {w['kv_gib'] / r['kv_gib']:8.2f}x {w['prefill_s'] / r['prefill_s']:16.2f}x "
+          f"{w['step_ms'] / r['step_ms']:14.2f}x")
 
 
 if __name__ == "__main__":
