@@ -160,3 +160,23 @@ def test_the_disk_tier_keeps_which_positions_lost_their_window(gemma3: Path, tmp
     rings = tiny_engine(gemma3, **settings, disable_prefix_cache=True)
     assert got == Driver(rings).run([Arrival(0, "b", turn2, params)])[("b", 0)].token_ids
     again.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_aborts_at_random_steps_leak_no_window_slot(gemma3: Path, seed: int) -> None:
+    """Requests aborted at random steps (prefilling, decoding, waiting) while the window pool is at its floor: the
+    accounting holds after every step and abort, and the requests left run to what the rings compute."""
+    rng = torch.Generator().manual_seed(seed)
+    arrivals = _workload(300)
+    victims = [a.request_id for a in arrivals if int(torch.randint(0, 3, (1,), generator=rng)) == 0]
+    aborts: dict[int, list[str]] = {}
+    for rid in victims:
+        aborts.setdefault(int(torch.randint(0, 60, (1,), generator=rng)), []).append(rid)
+    core = tiny_engine(gemma3, **TIGHT, max_total_tokens=200)
+    got = Driver(core).run(arrivals, aborts=aborts)
+    assert_idle_and_empty(core)
+    assert core.runner.kv_pool.window.used_size() <= core.scheduler.kvm.cached_slots()
+    kept = [a for a in arrivals if a.request_id not in victims]
+    want = Driver(tiny_engine(gemma3, **TIGHT, max_total_tokens=200, disable_prefix_cache=True)).run(kept)
+    for key, stream in want.items():
+        assert got[key].token_ids == stream.token_ids, key
