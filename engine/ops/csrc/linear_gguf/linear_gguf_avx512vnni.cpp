@@ -1,7 +1,7 @@
 // ember::linear_gguf kernels for AVX512-VNNI (+BW/VL/DQ: Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4 on), on
 // 512-bit registers: two rows' 32 bytes per zmm (rows r, r+1 of a group are adjacent blocks in the stream), the
 // byte dot of 32-value types one vpdpbusd, Q8_0 made unsigned (codes + 128, the 128 sum(x) taken off per lane:
-// lane_offset 16), K-quants' sub-scaled dots vpmaddubsw + vpmaddwd (2 uops, as vpdpbusd + vpmulld would be).
+// lane_offset 16), K-quants' sub-scaled dots vpmaddubsw + vpdpwssd (the scale's multiply and the accumulate in one).
 #include "linear_gguf/linear_gguf.h"
 
 #include <immintrin.h>
@@ -32,10 +32,11 @@ struct GAvx512 {
   // gate+up, down), GFLOP/s int8 vs tile over a layer. 1 thread (the other core was busy): Q4_K 146/50 at 16 rows,
   // 153/84 at 32, 158/106 at 64; Q8_0 118/88 at 32, 122/115 at 64; Q4_0 119/82 at 32, 120/126 at 64. 2 threads
   // (scripts/bench_linear.py --paths int8 tile): Q4_K 308/227 at 128, 298/291 at 256, 287/269 at 512, 276/283 at
-  // 1024; Q6_K 256/228 at 128, 284/255 at 256, 267/271 at 512, 269/270 at 1024. K-quants from 512 rows, Q8_0 from
-  // 96, the other 32-value types from 64.
+  // 1024; Q6_K 256/228 at 128, 284/255 at 256, 267/271 at 512, 269/270 at 1024. With vpdpwssd folding the K-quants'
+  // accumulate (2026-12-03): Q4_K 369/333 at 512, 346/317 at 1024; Q6_K 361/335 at 512, 347/300 at 1024. So
+  // K-quants never take the tile here; Q8_0 from 96 rows, the other 32-value types from 64.
   static constexpr int64_t tile_min_rows(int t) {
-    return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? 512 : t == ember::kQ8_0 ? 96 : 64;
+    return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? int64_t{1} << 40 : t == ember::kQ8_0 ? 96 : 64;
   }
 
   static I cat(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
@@ -46,7 +47,7 @@ struct GAvx512 {
   static I xload(const int8_t* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I dot(I w, I x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
   static I dot_s8(I w, I x) { return dot(_mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), x); }
-  static I dot_sc(I w, I x, I s) { return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), s); }
+  static I dot_sc_acc(I acc, I w, I x, I s) { return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(w, x), s); }
   static I madd16(I a, I b) { return _mm512_madd_epi16(a, b); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }

@@ -2,7 +2,8 @@
 //   V::I / V::F   integer / float vector holding V::R rows' 32 bytes each (AVX2: 1 row in a ymm; AVX-512: 2 in a zmm)
 //   V::rows(f)    the vector of rows f(0), f(1).. (256-bit each); V::xload(p): 32 activation bytes in every row slot
 //   V::dot(w, x)  unsigned w bytes x signed x bytes -> int32 lanes, lane i = 4 products (vpmaddubsw + vpmaddwd with
-//                 ones; vpdpbusd). V::dot_sc(w, x, s): the pairs of products scaled by int16 s (vpmaddubsw + vpmaddwd)
+//                 ones; vpdpbusd). V::dot_sc_acc(acc, w, x, s): acc + the pairs of products scaled by int16 s
+//                 (vpmaddubsw + vpmaddwd + vpaddd; vpmaddubsw + vpdpwssd with VNNI)
 // Lane layout, the same in both: a row's 32 bytes give 8 int32 lanes, lanes 0-3 its values 0-15, lanes 4-7 16-31.
 // Offsets ride on that: subtracting sum(x) * o from each of a row's 8 lanes removes 8 o sum(x) from their total.
 //
@@ -94,8 +95,12 @@ struct GgufBody {
       const int16_t* xs = x.bsum + 16 * sb;
       for (int v = 0; v < NV; ++v) {
         const uint8_t* rb = blk + v * R * bb;
-        I isum[MT];
-        for (int m = 0; m < MT; ++m) isum[m] = V::izero();
+        // Two accumulators a row below 4 rows, so the dependent sub-scaled dots (one vpdpwssd each on AVX512-VNNI)
+        // overlap; from 4 rows the rows themselves give the overlap and the registers are needed.
+        constexpr int NA = MT < 4 ? 2 : 1;
+        I isum[NA][MT];
+        for (int a = 0; a < NA; ++a)
+          for (int m = 0; m < MT; ++m) isum[a][m] = V::izero();
         if constexpr (T == ember::kQ6_K) {
           const I table = V::rows([&](int r) { return g_q6_table(rb + r * bb + 192); });
           for (int h = 0; h < 2; ++h) {
@@ -104,16 +109,18 @@ struct GgufBody {
             for (int j = 0; j < 4; ++j) {
               const I s = V::shuffle(table, V::pick(4 * h + j));
               for (int m = 0; m < MT; ++m)
-                isum[m] = V::add(isum[m], V::dot_sc(c[j], V::xload(xq + m * k + 128 * h + 32 * j), s));
+                isum[j % NA][m] = V::dot_sc_acc(isum[j % NA][m], c[j], V::xload(xq + m * k + 128 * h + 32 * j), s);
             }
           }
+          if constexpr (NA == 2)
+            for (int m = 0; m < MT; ++m) isum[0][m] = V::add(isum[0][m], isum[1][m]);
           // codes are q + 32: take 32 sum_s sc_s bsum_s off
           const I scn = V::rows([&](int r) { return g_q6_natural(rb + r * bb + 192); });
           const F d = V::rowsf([&](int r) { return g_half(rb + r * bb + 208); });
           for (int m = 0; m < MT; ++m) {
             const I o = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), scn);
-            isum[m] = V::sub(isum[m], V::slli32_5(o));
-            acc[v][m] = V::fma(V::cvt(isum[m]), V::mul(d, V::set1(x.d[m * nsb + sb])), acc[v][m]);
+            isum[0][m] = V::sub(isum[0][m], V::slli32_5(o));
+            acc[v][m] = V::fma(V::cvt(isum[0][m]), V::mul(d, V::set1(x.d[m * nsb + sb])), acc[v][m]);
           }
         } else {
           constexpr int qs = T == ember::kQ5_K ? 48 : 16;
@@ -132,16 +139,19 @@ struct GgufBody {
             const I s_lo = V::shuffle(table, V::pick(2 * j)), s_hi = V::shuffle(table, V::pick(2 * j + 1));
             for (int m = 0; m < MT; ++m) {
               const int8_t* xm = xq + m * k + 64 * j;
-              isum[m] = V::add(isum[m], V::add(V::dot_sc(lo, V::xload(xm), s_lo), V::dot_sc(hi, V::xload(xm + 32), s_hi)));
+              isum[0][m] = V::dot_sc_acc(isum[0][m], lo, V::xload(xm), s_lo);
+              isum[NA - 1][m] = V::dot_sc_acc(isum[NA - 1][m], hi, V::xload(xm + 32), s_hi);
             }
           }
+          if constexpr (NA == 2)
+            for (int m = 0; m < MT; ++m) isum[0][m] = V::add(isum[0][m], isum[1][m]);
           const I mins = V::rows([&](int r) { return g_k_mins(mn[r]); });
           const F d = V::rowsf([&](int r) { return g_half(rb + r * bb); });
           const F dmin = V::rowsf([&](int r) { return -g_half(rb + r * bb + 2); });
           for (int m = 0; m < MT; ++m) {
             const F xd = V::set1(x.d[m * nsb + sb]);
             const I ms = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), mins);
-            acc[v][m] = V::fma(V::cvt(isum[m]), V::mul(d, xd), acc[v][m]);
+            acc[v][m] = V::fma(V::cvt(isum[0][m]), V::mul(d, xd), acc[v][m]);
             acc[v][m] = V::fma(V::cvt(ms), V::mul(dmin, xd), acc[v][m]);
           }
         }

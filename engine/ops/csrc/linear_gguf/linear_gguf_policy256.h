@@ -24,7 +24,9 @@ struct G256 {
   static I xload(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I dot(I w, I x) { return D::dot(w, x); }
   static I dot_s8(I w, I x) { return D::dot_s8(w, x); }
-  static I dot_sc(I w, I x, I s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s); }
+  static I dot_sc_acc(I acc, I w, I x, I s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s));
+  }
   static I madd16(I a, I b) { return _mm256_madd_epi16(a, b); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
