@@ -73,7 +73,9 @@ class WindowKeeper:
 
     def reclaim(self, cache: RadixCache, n: int) -> int:
         """Give back at least `n` window slots of unpinned cached positions (fewer if not that many); returns how
-        many."""
+        many. Takes at least 1/32 of the pool at once: a short pool stays short step after step, and each call walks
+        the whole tree."""
+        n = max(n, self.slots.num_slots // 32)
         got = 0
         for node in sorted(cache.nodes(), key=lambda nd: nd.last_used):
             if got >= n:
