@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engine.loader import open_checkpoint
 from engine.model.weights import build_model
 from engine.ops import linear as lin
-from engine.ops.native import NATIVE_LINEAR, forced_isa
+from engine.ops.native import NATIVE_LINEAR, SUPPORTED_ISAS, forced_isa
 from engine_helpers import ManualBatch, make_runner, random_prompts
 from isa_tiers import LINEAR
 
@@ -47,7 +47,7 @@ BF16_PATHS = [pytest.param("kernel", id="kernel"),
                   not HAS_AMX, reason="this CPU cannot run the amx linear_bf16 path (no AMX-BF16)"))]
 
 
-@pytest.mark.skipif(not NATIVE_LINEAR or "avx512bf16" not in [p.id for p in LINEAR],
+@pytest.mark.skipif(not NATIVE_LINEAR or "avx512bf16" not in SUPPORTED_ISAS,
                     reason="this CPU cannot run the avx512bf16 tier (linear_bf16's kernel and amx paths)")
 @pytest.mark.parametrize("path", BF16_PATHS)
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 100])
