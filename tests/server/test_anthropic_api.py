@@ -17,7 +17,9 @@ from server_harness import Server, idle, metrics, run_server, wait_until
 
 pytestmark = pytest.mark.slow
 KEY = "anthropic-test-key"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# "Answer in one sentence.": the bare question's first token is a near-tie between "The" and "L" (which goes on in
+# French), and greedy takes "L" on some CPUs' numerics (see test_sampling_defaults.py); this way it says Paris.
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 WEATHER = {"name": "get_weather", "description": "The current weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                             "required": ["city"]}}
