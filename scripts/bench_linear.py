@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-old", action="store_true", help="skip ember::linear_q")
-    ap.add_argument("--paths", nargs="*", default=["auto"], help="linear_gguf paths: auto int8 tile amx")
+    ap.add_argument("--paths", nargs="*", default=["auto"], help="linear_gguf paths: auto int8 wide tile amx")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     by_name = {v[0]: t for t, v in gb.GGUF_TYPES.items()}

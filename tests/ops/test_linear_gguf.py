@@ -38,9 +38,10 @@ HAS_AMX = bool(NATIVE_OPS and torch.ops.ember.isa_has_amx())
 
 
 def _paths() -> list:
-    """(tier, path) for every forced path: int8 and tile on each SIMD variant, amx on the avx512bf16 tier."""
+    """(tier, path) for every forced path: int8 and tile on each SIMD variant, wide on avx2 (K-quants), amx on the
+    avx512bf16 tier."""
     out = [pytest.param(v.values[0], p, id=f"{v.id}-{p}", marks=v.marks) for v in VARIANTS if v.id != "scalar"
-           for p in ("int8", "tile")]
+           for p in ("int8", "tile") + (("wide",) if v.id == "avx2" else ())]
     out.append(pytest.param("avx512bf16", "amx", id="amx", marks=() if HAS_AMX else pytest.mark.skip(
         reason="this CPU cannot run the amx linear_gguf path (no AMX-BF16)")))
     return out
@@ -100,7 +101,7 @@ def test_matches_gguf_dequantize_then_matmul(isa: str, qtype: int, rows: int) ->
     _, packed, w = _packed(qtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     path = _auto(qtype, rows, isa)  # many rows: the fp32 tile path on exact weights (or amx)
-    int8, bf16 = path == "int8", path == "amx"
+    int8, bf16 = path in ("int8", "wide"), path == "amx"
     check(torch.ops.ember.linear_gguf_isa(x, packed, qtype, n, isa), x, w, qtype, int8, bf16)
     xb = x.bfloat16()
     out = torch.ops.ember.linear_gguf_isa(xb, packed, qtype, n, isa)
@@ -116,21 +117,28 @@ def test_every_path_matches_gguf_dequantize_then_matmul(isa: str, path: str, qty
     n, k = 37, 1280
     _, packed, w = _packed(qtype, n, k, seed=rows + 50)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    if path == "wide" and qtype not in K_QUANTS:  # the wide path is the K-quants' only
+        with pytest.raises(RuntimeError, match="no wide path"):
+            torch.ops.ember.linear_gguf_path(x, packed, qtype, n, isa, path)
+        return
     for xx in (x, x.bfloat16()):
         out = torch.ops.ember.linear_gguf_path(xx, packed, qtype, n, isa, path)
         assert out.dtype == xx.dtype and out.shape == (rows, n)
-        check(out, xx.float(), w, qtype, path == "int8", path == "amx")
+        check(out, xx.float(), w, qtype, path in ("int8", "wide"), path == "amx")
 
 
 def test_auto_paths_follow_the_thresholds() -> None:
-    """Few rows take integer dots, then the tile path (or AMX on avx512bf16 with AMX), never back."""
-    order = {"int8": 0, "tile": 1, "amx": 2}
+    """Few rows take integer dots, then the wide integer path (K-quants on AVX2), then the tile path (or AMX on
+    avx512bf16 with AMX), never back."""
+    order = {"int8": 0, "wide": 1, "tile": 2, "amx": 3}
     for tier in SUPPORTED_ISAS:
         for qtype in TYPES:
             seq = [order[_auto(qtype, r, tier)] for r in range(1, 200)]
             assert seq == sorted(seq) and seq[0] == 0, (tier, qtype)
             if tier == "avx512bf16" and HAS_AMX:
-                assert seq[-1] == 2
+                assert seq[-1] == 3
+            if str(torch.ops.ember.linear_gguf_variant(tier)) == "avx2" and qtype in K_QUANTS:
+                assert _auto(qtype, 63, tier) == "int8" and _auto(qtype, 64, tier) == "wide", (tier, qtype)
             if tier == "scalar":
                 assert set(seq) == {0}
     with pytest.raises(RuntimeError, match="path must be"):
@@ -184,7 +192,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa: str) -> None:
     for qtype in (2, 8, 12, 14):
         _, packed, _ = _packed(qtype, 70, 512, seed=1)
         x = torch.randn(100, 512, generator=torch.Generator().manual_seed(2))
-        for path in ("int8", "tile") if isa != "scalar" else ("int8",):
+        wide = ("wide",) if str(torch.ops.ember.linear_gguf_variant(isa)) == "avx2" and qtype in K_QUANTS else ()
+        for path in ("int8", "tile") + wide if isa != "scalar" else ("int8",):
             ref = torch.ops.ember.linear_gguf_path(x, packed, qtype, 70, isa, path)
             for r in (1, 2, 3, 8, 9, 15, 16, 17, 33, 64):
                 assert torch.equal(torch.ops.ember.linear_gguf_path(x[:r], packed, qtype, 70, isa, path), ref[:r])

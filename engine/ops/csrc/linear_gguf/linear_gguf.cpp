@@ -47,6 +47,8 @@ struct QuantizedActs {
   std::vector<float> d, msum;
   std::vector<int16_t> bsum;
   std::vector<int32_t> off;
+  std::vector<float> kt;
+  std::vector<int16_t> ktp;
 };
 
 // Per row, per block of qb (32 or 256): d = max|x| / 127, q = round(x / d), sums per 16.
@@ -85,6 +87,22 @@ void quantize(const float* x, int64_t rows, int64_t k, int64_t qb, int lane_offs
   }
 }
 
+// The wide path: GgufActs::kt and ktp, the 8-row tiles' block scales and sub-block sums with the rows in the lanes.
+void transpose_tiles(int64_t rows, int64_t k, QuantizedActs& o) {
+  const int64_t nsb = k / 256, tiles = rows / kGgufRowTile;
+  o.kt.resize(tiles * nsb * kGgufRowTile);
+  o.ktp.resize(tiles * nsb * 64);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t sb = 0; sb < nsb; ++sb)
+      for (int m = 0; m < kGgufRowTile; ++m) {
+        const int64_t row = t * kGgufRowTile + m, at = t * nsb + sb;
+        o.kt[at * kGgufRowTile + m] = o.d[row * nsb + sb];
+        const int16_t* bs = o.bsum.data() + row * (k / 16) + 16 * sb;
+        for (int s = 0; s < 8; ++s)  // |sum over 32| <= 32 x 127: an int16
+          o.ktp[(at * 4 + s / 2) * 16 + 2 * m + s % 2] = static_cast<int16_t>(bs[2 * s] + bs[2 * s + 1]);
+      }
+}
+
 // K of a packed weight, after checking it is one.
 int64_t checked_k(const at::Tensor& packed, int64_t qtype, int64_t n) {
   const GgufTypeInfo ti = gguf_type_info(qtype);
@@ -100,18 +118,26 @@ int64_t checked_k(const at::Tensor& packed, int64_t qtype, int64_t n) {
 }
 
 // Which kernel family a call runs: by the CPU's features and the row count (kAuto), or forced (tests, benchmarks).
-enum class Path { kAuto, kInt8, kTile, kAmx };
+enum class Path { kAuto, kInt8, kWide, kTile, kAmx };
 
 Path parse_path(const std::string& p) {
   if (p == "auto") return Path::kAuto;
   if (p == "int8") return Path::kInt8;
+  if (p == "wide") return Path::kWide;
   if (p == "tile") return Path::kTile;
   if (p == "amx") return Path::kAmx;
-  TORCH_CHECK(false, "linear_gguf: path must be auto, int8, tile or amx, got ", p);
+  TORCH_CHECK(false, "linear_gguf: path must be auto, int8, wide, tile or amx, got ", p);
 }
 
 // AMX runs on the avx512bf16 tier of a CPU with AMX-BF16 (every such CPU has that tier).
 bool amx_for(Isa isa) { return isa == Isa::kAvx512Bf16 && cpu_has_amx_bf16(); }
+
+Path auto_path(const GgufKernel& kernel, Isa isa, int64_t rows) {
+  if (amx_for(isa) && rows >= kGgufAmxMinRows) return Path::kAmx;
+  if (kernel.run_block_tile != nullptr && rows >= kernel.tile_min_rows) return Path::kTile;
+  if (kernel.run_block_wide != nullptr && rows >= kernel.wide_min_rows) return Path::kWide;
+  return Path::kInt8;
+}
 
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, Isa isa,
                Path path = Path::kAuto) {
@@ -126,11 +152,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (rows == 0 || n == 0) return out;
-  if (path == Path::kAuto)
-    path = amx_for(isa) && rows >= kGgufAmxMinRows ? Path::kAmx
-           : rows >= kernel.tile_min_rows && kernel.run_block_tile != nullptr ? Path::kTile : Path::kInt8;
+  if (path == Path::kAuto) path = auto_path(kernel, isa, rows);
   TORCH_CHECK(path != Path::kTile || kernel.run_block_tile != nullptr, "linear_gguf: the ", isa_name(isa),
               " tier has no tile path");
+  TORCH_CHECK(path != Path::kWide || kernel.run_block_wide != nullptr, "linear_gguf: the ", isa_name(isa),
+              " tier has no wide path for type ", qtype);
   TORCH_CHECK(path != Path::kAmx || amx_for(isa), "linear_gguf: the AMX path needs the avx512bf16 tier of a CPU "
               "with AMX-BF16 (this CPU: ", cpu_has_amx_bf16() ? "has AMX" : "no AMX", ")");
   if (path == Path::kAmx) {
@@ -158,9 +184,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
     args.xf = xf;
   } else {
     quantize(xf, rows, k, gguf_type_info(qtype).values, kernel.lane_offset, acts);
-    args.x = {acts.q.data(), acts.d.data(), acts.bsum.data(), acts.off.data(), acts.msum.data()};
+    if (path == Path::kWide) transpose_tiles(rows, k, acts);
+    args.x = {acts.q.data(), acts.d.data(), acts.bsum.data(), acts.off.data(), acts.msum.data(),
+              acts.kt.empty() ? nullptr : acts.kt.data(), acts.ktp.empty() ? nullptr : acts.ktp.data()};
   }
-  const auto run_block = tile ? kernel.run_block_tile : kernel.run_block;
+  const auto run_block = tile ? kernel.run_block_tile : path == Path::kWide ? kernel.run_block_wide : kernel.run_block;
   parallel_blocks((n + kGgufBlockRows - 1) / kGgufBlockRows, gguf_scratch_floats(rows, tile),
                   [&](int64_t b, float* scratch) { run_block(args, b, scratch); });
   return out;
@@ -176,7 +204,7 @@ at::Tensor linear_gguf_isa(const at::Tensor& x, const at::Tensor& packed, int64_
   return run(x, packed, qtype, n, parse_isa(isa));
 }
 
-// A forced path (int8, tile, amx; auto as linear_gguf): how tests check every path against the oracle and
+// A forced path (int8, wide, tile, amx; auto as linear_gguf): how tests check every path against the oracle and
 // benchmarks measure the crossings. Not for the model (no fake kernel).
 at::Tensor linear_gguf_path(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
                             const std::string& isa, const std::string& path) {
@@ -187,9 +215,12 @@ at::Tensor linear_gguf_path(const at::Tensor& x, const at::Tensor& packed, int64
 std::string linear_gguf_auto_path(int64_t qtype, int64_t rows, const std::string& isa) {
   const Isa t = parse_isa(isa);
   TORCH_CHECK(gguf_type_info(qtype).values != 0, "linear_gguf: unsupported ggml type ", qtype);
-  const GgufKernel kernel = kernel_for(t, qtype);
-  if (amx_for(t) && rows >= kGgufAmxMinRows) return "amx";
-  return rows >= kernel.tile_min_rows && kernel.run_block_tile != nullptr ? "tile" : "int8";
+  switch (auto_path(kernel_for(t, qtype), t, rows)) {
+    case Path::kAmx: return "amx";
+    case Path::kTile: return "tile";
+    case Path::kWide: return "wide";
+    default: return "int8";
+  }
 }
 
 std::string linear_gguf_variant(const std::string& isa) {

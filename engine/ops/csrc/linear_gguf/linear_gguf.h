@@ -46,7 +46,8 @@ constexpr float kGgufActMax = 127.0f;   // int8 activations: -127..127, so a sig
 // From GgufKernel::tile_min_rows rows on (prefill; set per variant and type where the measured crossing is, 64-1024
 // rows: linear_gguf_avx512vnni.cpp, _avx2.cpp) a call dequantizes each 32-row block's K-chunk once into an fp32
 // tile and runs the fp32 micro-kernel (linear/linear_fma_body.h) on fp32 activations; below, integer dots on int8
-// activations. kGgufTileMinRows only names the scalar reference's (it has no tile path).
+// activations (from GgufKernel::wide_min_rows, where a variant has it, the wide integer path: K-quants on AVX2).
+// kGgufTileMinRows only names the scalar reference's (it has no tile path).
 constexpr int64_t kGgufTileMinRows = 16;
 // AMX CPUs (avx512bf16 tier): the AMX path from this many rows on. Measured (1 thread, Llama-1B shapes, GFLOP/s
 // amx vs int8 avx512vnni): Q4_K 100/146 at 16 rows, 148/152 at 24, 196/153 at 32, 327/158 at 64; Q6_K 186/142 at
@@ -64,7 +65,15 @@ struct GgufActs {
   // 16, x 16 = 128 for Q8_0 made unsigned); msum = d * sum(q) / 8, the min's share per lane (Q4_1, Q5_1).
   const int32_t* off;
   const float* msum;
+  // The wide path (K-quants on the 256-bit kernels, linear_gguf_body.h), per full tile of kGgufRowTile rows (tile
+  // t = rows 8t..8t+7) and 256-value block sb, the rows in the lanes: kt[(t K / 256 + sb) 8 + m] = d[8 t + m, sb];
+  // ktp[((t K / 256 + sb) 4 + p) 16 + 2 m + i] = sum of q over values 32 (2p + i) .. + 31 of row 8 t + m (int16
+  // pairs, vpmaddwd against pairs of sub-block mins). Else nullptr.
+  const float* kt;
+  const int16_t* ktp;
 };
+
+constexpr int kGgufRowTile = 8;      // activation rows sharing each decoded weight vector (linear_gguf_body.h)
 
 struct GgufLinearArgs {
   int64_t qtype;
@@ -84,6 +93,10 @@ struct GgufKernel {
   void (*run_block_tile)(const GgufLinearArgs& a, int64_t block, float* scratch);  // fp32 tile (null: none)
   int lane_offset;  // GgufActs::off multiplier for this type and variant (0: the dot needs no offset)
   int64_t tile_min_rows;  // from this many rows on the fp32 tile path runs (measured per variant and type)
+  // The wide path (null: none): integer dots like run_block, 8 activation rows in the float lanes; from
+  // wide_min_rows rows on, below tile_min_rows.
+  void (*run_block_wide)(const GgufLinearArgs& a, int64_t block, float* scratch);
+  int64_t wide_min_rows;
 };
 
 inline int64_t gguf_scratch_floats(int64_t rows, bool tile) {

@@ -21,6 +21,11 @@ struct MaddDot {  // vpmaddubsw then vpmaddwd by ones; Q8_0's sign moved onto x 
   static constexpr int64_t tile_min_rows(int t) {
     return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? 1024 : 64;
   }
+  // K-quants' wide path (8 rows in the float lanes, linear_gguf_body.h's dotk), measured on an AVX2-only EPYC, 2
+  // threads, GFLOP/s int8 vs wide (scripts/bench_linear.py --paths int8 wide): Q4_K 188/219 at 32, 184/216 at 64,
+  // 195/224 at 128, 192/201 at 512; Q6_K 170/172 at 32, 179/182 at 128, 181/187 at 512. From 64 rows, as the tile
+  // path of the 32-value types: decode batches below that keep the int8 path's rounding.
+  static constexpr int64_t wide_min_rows(int) { return 64; }
   static __m256i dot(__m256i w, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
   }

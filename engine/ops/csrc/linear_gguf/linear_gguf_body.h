@@ -20,7 +20,7 @@ namespace {
 using ember::GgufActs;
 using ember::GgufLinearArgs;
 
-constexpr int kRowTile = 8;        // activation rows sharing each decoded weight vector
+constexpr int kRowTile = ember::kGgufRowTile;
 // Bytes ahead of the weight stream (one per thread) to prefetch. Measured at 1 row, 1 thread, 8 Llama-1B layers
 // from DRAM (Q4_K / Q8_0, AMX Xeon): none 7.5 / 9.9 GB/s, 512: 7.7 / 9.3, 2048: 9.4 / 10.4, 4096: 8.4 / 9.7.
 constexpr int kPrefetch = 2048;
@@ -81,13 +81,22 @@ struct GgufBody {
   }
 
   // The same for K-quants: integer sums over a 256-value block (sub-scales in vpmaddwd), then one float scaling.
-  template <int T, int MT, int NR>
+  // W, the wide path (256-bit policy, many rows): each block's sums are first totalled exactly, as integers, and
+  // every output takes the same two FMAs a block whatever its tile: y += float(sum) (d xd) + float(mins sum)
+  // (-dmin xd). A full 8-row tile does them with the rows in the lanes (8 integer sums reduced to one vector, the
+  // mins sums from GgufActs::ktp's pairs, the scales from kt): one float accumulator instead of 8 vectors, so the
+  // sums and the decoded weights stay in registers. A smaller tile (the tail) does them on scalars, with the same
+  // result, so a row's result does not depend on its batch on this path either.
+  template <int T, int MT, int NR, bool W>
   static void dotk(const uint8_t* g, int64_t r0, const GgufActs& x, int64_t k, float* res) {
     constexpr int NV = NR / R, bb = T == ember::kQ4_K ? 144 : T == ember::kQ5_K ? 176 : 210;
+    constexpr bool exact = W && R == 1, lanes = exact && NR == 1 && MT == kRowTile;
     const int64_t nsb = k / 256;
     F acc[NV][MT];
     for (int v = 0; v < NV; ++v)
       for (int m = 0; m < MT; ++m) acc[v][m] = V::zero();
+    F acc_m = V::zero();        // lanes: lane m, row r0's output for activation row m
+    float acc_s[NV][MT] = {};   // exact, smaller tiles
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = g + (4 * sb + r0) * bb;
       if (r0 == 0) prefetch(blk, 4 * bb);
@@ -120,7 +129,16 @@ struct GgufBody {
           for (int m = 0; m < MT; ++m) {
             const I o = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), scn);
             isum[0][m] = V::sub(isum[0][m], V::slli32_5(o));
-            acc[v][m] = V::fma(V::cvt(isum[0][m]), V::mul(d, V::set1(x.d[m * nsb + sb])), acc[v][m]);
+            if constexpr (!exact)
+              acc[v][m] = V::fma(V::cvt(isum[0][m]), V::mul(d, V::set1(x.d[m * nsb + sb])), acc[v][m]);
+          }
+          if constexpr (lanes) {
+            acc_m = V::fma(V::cvt(V::reduce8(isum[0])), V::mul(d, V::loadf(x.kt + 8 * sb)), acc_m);
+          } else if constexpr (exact) {
+            const float ds = g_half(rb + 208);
+            for (int m = 0; m < MT; ++m)
+              acc_s[v][m] = __builtin_fmaf(static_cast<float>(V::hsum_i(isum[0][m])), ds * x.d[m * nsb + sb],
+                                           acc_s[v][m]);
           }
         } else {
           constexpr int qs = T == ember::kQ5_K ? 48 : 16;
@@ -148,23 +166,54 @@ struct GgufBody {
           const I mins = V::rows([&](int r) { return g_k_mins(mn[r]); });
           const F d = V::rowsf([&](int r) { return g_half(rb + r * bb); });
           const F dmin = V::rowsf([&](int r) { return -g_half(rb + r * bb + 2); });
-          for (int m = 0; m < MT; ++m) {
-            const F xd = V::set1(x.d[m * nsb + sb]);
-            const I ms = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), mins);
-            acc[v][m] = V::fma(V::cvt(isum[0][m]), V::mul(d, xd), acc[v][m]);
-            acc[v][m] = V::fma(V::cvt(ms), V::mul(dmin, xd), acc[v][m]);
+          if constexpr (lanes) {
+            const I m16 = g_k_table(mn[0]);  // the 8 mins as int16, in both halves
+            const int16_t* pairs = x.ktp + 64 * sb;
+            I ms = V::madd16(V::xload(reinterpret_cast<const int8_t*>(pairs)), V::pair(m16, 0));
+            ms = V::add(ms, V::madd16(V::xload(reinterpret_cast<const int8_t*>(pairs + 16)), V::pair(m16, 1)));
+            ms = V::add(ms, V::madd16(V::xload(reinterpret_cast<const int8_t*>(pairs + 32)), V::pair(m16, 2)));
+            ms = V::add(ms, V::madd16(V::xload(reinterpret_cast<const int8_t*>(pairs + 48)), V::pair(m16, 3)));
+            const F xd = V::loadf(x.kt + 8 * sb);
+            acc_m = V::fma(V::cvt(V::reduce8(isum[0])), V::mul(d, xd), acc_m);
+            acc_m = V::fma(V::cvt(ms), V::mul(dmin, xd), acc_m);
+          } else if constexpr (exact) {
+            I ms[MT];
+            for (int m = 0; m < MT; ++m)
+              ms[m] = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), mins);
+            {
+              const float ds = g_half(rb), dmins = -g_half(rb + 2);
+              for (int m = 0; m < MT; ++m) {
+                const float xd = x.d[m * nsb + sb];
+                float y = __builtin_fmaf(static_cast<float>(V::hsum_i(isum[0][m])), ds * xd, acc_s[v][m]);
+                acc_s[v][m] = __builtin_fmaf(static_cast<float>(V::hsum_i(ms[m])), dmins * xd, y);
+              }
+            }
+          } else {
+            for (int m = 0; m < MT; ++m) {
+              const F xd = V::set1(x.d[m * nsb + sb]);
+              const I ms = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), mins);
+              acc[v][m] = V::fma(V::cvt(isum[0][m]), V::mul(d, xd), acc[v][m]);
+              acc[v][m] = V::fma(V::cvt(ms), V::mul(dmin, xd), acc[v][m]);
+            }
           }
         }
       }
     }
-    for (int v = 0; v < NV; ++v)
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MT; ++m) res[(v * R + r) * MT + m] = V::hsum_row(acc[v][m], r);
+    if constexpr (lanes) {
+      V::storef(res, acc_m);
+    } else if constexpr (exact) {
+      for (int v = 0; v < NV; ++v)
+        for (int m = 0; m < MT; ++m) res[v * MT + m] = acc_s[v][m];
+    } else {
+      for (int v = 0; v < NV; ++v)
+        for (int r = 0; r < R; ++r)
+          for (int m = 0; m < MT; ++m) res[(v * R + r) * MT + m] = V::hsum_row(acc[v][m], r);
+    }
   }
 
   using DotFn = void (*)(const uint8_t*, int64_t, const GgufActs&, int64_t, float*);
 
-  template <int T, int MT>
+  template <int T, int MT, bool W>
   static DotFn dot_for(int64_t mt) {
     constexpr int nr = V::rows_per_pass(MT);
     DotFn f;
@@ -174,14 +223,15 @@ struct GgufBody {
     using S = GgufBody<typename V::Single>;
     constexpr bool kq = T == ember::kQ4_K || T == ember::kQ5_K || T == ember::kQ6_K;
     if constexpr (MT == 1 && !kq) f = S::template dot32<T, 1, nr>;
-    else if constexpr (kq) f = dotk<T, MT, nr>;
+    else if constexpr (kq) f = dotk<T, MT, nr, W>;
     else f = dot32<T, MT, nr>;
     if constexpr (MT == 1) return f;
-    else return mt == MT ? f : dot_for<T, MT - 1>(mt);
+    else return mt == MT ? f : dot_for<T, MT - 1, W>(mt);
   }
 
-  // Every row of output block `block`, rows of x in tiles of kRowTile sharing each decoded weight vector.
-  template <int T>
+  // Every row of output block `block`, rows of x in tiles of kRowTile sharing each decoded weight vector; W: the
+  // wide path (dotk).
+  template <int T, bool W = false>
   static void run_block(const GgufLinearArgs& a, int64_t block, float*) {
     const ember::GgufTypeInfo ti = ember::gguf_type_info(T);
     const int64_t k = a.k, nblk = k / ti.values, row_bytes = nblk * ti.bytes;
@@ -189,10 +239,12 @@ struct GgufBody {
     float res[4 * kRowTile];
     for (int64_t m0 = 0; m0 < a.rows; m0 += kRowTile) {
       const int64_t mt = g_min64(kRowTile, a.rows - m0), nr = V::rows_per_pass(static_cast<int>(mt));
-      const DotFn dot = dot_for<T, kRowTile>(mt);
+      const DotFn dot = dot_for<T, kRowTile, W>(mt);
       const bool k32 = ti.values == 32;
       const GgufActs x{a.x.q + m0 * k, a.x.d + m0 * nblk, a.x.bsum + m0 * (k / 16),
-                       k32 ? a.x.off + m0 * nblk : nullptr, k32 ? a.x.msum + m0 * nblk : nullptr};
+                       k32 ? a.x.off + m0 * nblk : nullptr, k32 ? a.x.msum + m0 * nblk : nullptr,
+                       W && mt == kRowTile ? a.x.kt + m0 * nblk : nullptr,
+                       W && mt == kRowTile ? a.x.ktp + m0 * nblk * 8 : nullptr};
       for (int64_t gi = n0 / 4; gi < (n1 + 3) / 4; ++gi) {
         for (int64_t r0 = 0; r0 < 4; r0 += nr) dot(a.w + gi * 4 * row_bytes, r0, x, k, res + r0 * mt);
         for (int64_t r = 0; r < 4 && gi * 4 + r < n1; ++r)

@@ -18,6 +18,7 @@ struct G256 {
   static constexpr int rows_per_pass(int mt) { return mt == 1 ? 4 : mt == 2 ? 2 : 1; }
 
   static constexpr int64_t tile_min_rows(int t) { return D::tile_min_rows(t); }
+  static constexpr int64_t wide_min_rows(int t) { return D::wide_min_rows(t); }
   using Single = G256;  // the policy of the one-activation-row kernels
   template <class Fn> static I rows(Fn f) { return f(0); }
   template <class Fn> static F rowsf(Fn f) { return _mm256_set1_ps(f(0)); }
@@ -48,5 +49,27 @@ struct G256 {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
   static float hsum_row(F v, int) { return Avx2::hsum(v); }
+  // K-quants' exact block totals (linear_gguf_body.h's dotk). reduce8: lane m = the sum of a[m]'s 8 lanes.
+  static int32_t hsum_i(I v) {
+    const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i t = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
+  }
+  static I reduce8(const I* a) {
+    const I q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const I q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    // q0's low half: a0..a3 over their lanes 0-3, its high half over lanes 4-7; q1 the same for a4..a7
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+  }
+  static I pair(I v, int p) {  // int32 lane p of each half, to the whole half
+    switch (p) {
+      case 0: return _mm256_shuffle_epi32(v, 0x00);
+      case 1: return _mm256_shuffle_epi32(v, 0x55);
+      case 2: return _mm256_shuffle_epi32(v, 0xAA);
+      default: return _mm256_shuffle_epi32(v, 0xFF);
+    }
+  }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 }  // namespace

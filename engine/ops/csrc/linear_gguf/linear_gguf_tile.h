@@ -136,8 +136,14 @@ struct GgufKernels {
   template <int T>
   static ember::GgufKernel entry() {
     constexpr int lane = T == ember::kQ4_0 ? 1 : T == ember::kQ5_0 ? 2 : T == ember::kQ8_0 && V::kQ8Offset ? 16 : 0;
-    return {GgufBody<V>::template run_block<T>, GgufTile<V, VF>::template run_block_tile<T>, lane,
-            V::tile_min_rows(T)};
+    constexpr bool kq = T == ember::kQ4_K || T == ember::kQ5_K || T == ember::kQ6_K;
+    ember::GgufKernel out{GgufBody<V>::template run_block<T>, GgufTile<V, VF>::template run_block_tile<T>, lane,
+                          V::tile_min_rows(T)};
+    if constexpr (kq && V::R == 1) {  // the wide path: K-quants on the 256-bit policy (AVX2)
+      out.run_block_wide = GgufBody<V>::template run_block<T, true>;
+      out.wide_min_rows = V::wide_min_rows(T);
+    }
+    return out;
   }
   static ember::GgufKernel make(int64_t qtype) {
     switch (qtype) {
