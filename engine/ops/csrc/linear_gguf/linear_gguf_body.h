@@ -163,30 +163,27 @@ struct GgufBody {
           }
           if constexpr (NA == 2)
             for (int m = 0; m < MT; ++m) isum[0][m] = V::add(isum[0][m], isum[1][m]);
-          const I mins = V::rows([&](int r) { return g_k_mins(mn[r]); });
           const F d = V::rowsf([&](int r) { return g_half(rb + r * bb); });
           const F dmin = V::rowsf([&](int r) { return -g_half(rb + r * bb + 2); });
           if constexpr (lanes) {
             const I m16 = g_k_table(mn[0]);  // the 8 mins as int16, in both halves
             const int16_t* pairs = x.ktp + 64 * sb;
-            I ms = V::madd16(V::xload(reinterpret_cast<const int8_t*>(pairs)), V::pair(m16, 0));
-            ms = V::add(ms, V::madd16(V::xload(reinterpret_cast<const int8_t*>(pairs + 16)), V::pair(m16, 1)));
-            ms = V::add(ms, V::madd16(V::xload(reinterpret_cast<const int8_t*>(pairs + 32)), V::pair(m16, 2)));
-            ms = V::add(ms, V::madd16(V::xload(reinterpret_cast<const int8_t*>(pairs + 48)), V::pair(m16, 3)));
+            I ms = V::izero();
+            for (int p = 0; p < 4; ++p)
+              ms = V::add(ms, V::madd16(V::xload(reinterpret_cast<const int8_t*>(pairs + 16 * p)), V::pair(m16, p)));
             const F xd = V::loadf(x.kt + 8 * sb);
             acc_m = V::fma(V::cvt(V::reduce8(isum[0])), V::mul(d, xd), acc_m);
             acc_m = V::fma(V::cvt(ms), V::mul(dmin, xd), acc_m);
-          } else if constexpr (exact) {
-            I ms[MT];
-            for (int m = 0; m < MT; ++m)
-              ms[m] = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), mins);
-            {
-              const float ds = g_half(rb), dmins = -g_half(rb + 2);
-              for (int m = 0; m < MT; ++m) {
-                const float xd = x.d[m * nsb + sb];
-                float y = __builtin_fmaf(static_cast<float>(V::hsum_i(isum[0][m])), ds * xd, acc_s[v][m]);
-                acc_s[v][m] = __builtin_fmaf(static_cast<float>(V::hsum_i(ms[m])), dmins * xd, y);
-              }
+            continue;
+          }
+          const I mins = V::rows([&](int r) { return g_k_mins(mn[r]); });
+          if constexpr (exact) {
+            const float ds = g_half(rb), dmins = -g_half(rb + 2);
+            for (int m = 0; m < MT; ++m) {
+              const float xd = x.d[m * nsb + sb];
+              const I ms = V::madd16(V::xload(reinterpret_cast<const int8_t*>(xs + m * (k / 16))), mins);
+              const float y = __builtin_fmaf(static_cast<float>(V::hsum_i(isum[0][m])), ds * xd, acc_s[v][m]);
+              acc_s[v][m] = __builtin_fmaf(static_cast<float>(V::hsum_i(ms)), dmins * xd, y);
             }
           } else {
             for (int m = 0; m < MT; ++m) {
