@@ -1,0 +1,90 @@
+"""Weights in 2 MiB pages.
+
+A decode step streams every weight once. With 4 KiB pages that is one TLB entry per 4 KiB, and on these machines the
+page walks cost the quantized kernels a fifth of their bandwidth: one 1B Q4_K_M decode step took 39.7 ms on 4 KiB
+pages and 32.6 ms on 2 MiB pages (Q8_0 56.6 -> 47.8 ms; bf16, whose kernel does less work per byte, 81.7 either way;
+docs/benchmarks.md "Weights in 2 MiB pages"). Transparent huge pages are usually enabled only for memory that asks
+(`madvise` in /sys/kernel/mm/transparent_hugepage/enabled), so Ember asks twice:
+
+- the `ember` command sets THP_MEM_ALLOC_ENABLE=1 before torch is imported (server/cli/main.py), which makes torch's
+  CPU allocator ask for huge pages for every allocation of 2 MiB or more: weights, the KV pool, large activations;
+- after a model is loaded, `advise` asks for the weights' own memory again and collapses it into huge pages at once
+  (MADV_COLLAPSE, Linux 6.1 on), whoever imported torch first (tests, scripts, an embedding process).
+
+Both are requests: where the kernel says no (THP `never`, an old kernel), the weights stay on 4 KiB pages and
+everything works as before, only slower.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page setting (always, madvise or never), or "unavailable"."""
+    try:
+        text = _THP_ENABLED.read_text()
+    except OSError:
+        return "unavailable"
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else "unavailable"
+
+
+def _spans(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """The 2 MiB-aligned interiors of the tensors' storages, each once (a page is only ever all one kind)."""
+    seen: set[int] = set()
+    spans = []
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() in seen or s.device.type != "cpu" or s.nbytes() < HUGE_PAGE:
+            continue
+        seen.add(s.data_ptr())
+        start = -(-s.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (s.data_ptr() + s.nbytes()) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            spans.append((start, end))
+    return spans
+
+
+def advise(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """Ask for huge pages under these CPU tensors and collapse what they hold into them now.
+
+    Returns (bytes asked for, bytes collapsed); collapsed is 0 where the kernel has no MADV_COLLAPSE (the pages then
+    become huge only as khugepaged gets to them, or as torch allocated them with THP_MEM_ALLOC_ENABLE). A file-backed
+    tensor (a memory map) is skipped by the kernel: only anonymous memory is asked for."""
+    asked = collapsed = 0
+    if thp_mode() in ("never", "unavailable"):
+        return 0, 0
+    can_collapse = True
+    for start, end in _spans(tensors):
+        if _libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
+            continue
+        asked += end - start
+        if can_collapse and _libc.madvise(start, end - start, _MADV_COLLAPSE) == 0:
+            collapsed += end - start
+        elif can_collapse and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):  # no MADV_COLLAPSE (Linux < 6.1)
+            can_collapse = False
+    return asked, collapsed
+
+
+def process_huge_page_bytes() -> int:
+    """Anonymous memory of this process held in transparent huge pages (AnonHugePages in /proc/self/smaps_rollup)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
