@@ -1,8 +1,9 @@
 """Benchmark ember::linear_gguf (GGUF block bytes, int8 activations) against the machine's read bandwidth and
 against ember::linear_q on the same weights (gguf_repack.repack + format.pack), on Llama-3.2-1B shapes.
 
-Per type, kernel variant and row count: the linears of `--layers` distinct layers run in model order (q, k, v, o,
-gate+up fused, down), each call timed on its own, so the weight stream is larger than the caches and a shape's
+Per type, kernel variant and row count: the linears of `--layers` distinct layers run in model order, as the model
+calls them (q|k|v, o, gate|up, down: shards of one type stacked into one weight), each call timed on its own, on
+2 MiB pages as ModelRunner puts a model's weights, so the weight stream is larger than the caches and a shape's
 weights are never re-read warm. Reported per call: ms, weight GB/s (bytes the kernel reads per second: the file's
 bytes for linear_gguf) with its fraction of `ember::read_bandwidth` (the mean of one measured just before and one
 just after that run), and GFLOP/s.
@@ -22,15 +23,17 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from engine import huge_pages
 from engine.ops.native import SUPPORTED_ISAS
 from engine.quant import gguf_blocks as gb
 from engine.quant.format import pack
 from engine.quant.gguf_repack import repack
 
 HIDDEN, KV, MLP = 2048, 512, 8192
-SHAPES = {"q/o 2048x2048": (HIDDEN, HIDDEN), "k/v 512x2048": (KV, HIDDEN), "gate+up 16384x2048": (2 * MLP, HIDDEN),
-          "down 2048x8192": (HIDDEN, MLP)}
-ORDER = ["q/o 2048x2048", "k/v 512x2048", "k/v 512x2048", "q/o 2048x2048", "gate+up 16384x2048", "down 2048x8192"]
+# The calls one Llama-1B layer makes: the model stacks the shards of one type into one weight (q|k|v, gate|up).
+SHAPES = {"q|k|v 3072x2048": (HIDDEN + 2 * KV, HIDDEN), "o 2048x2048": (HIDDEN, HIDDEN),
+          "gate|up 16384x2048": (2 * MLP, HIDDEN), "down 2048x8192": (HIDDEN, MLP)}
+ORDER = list(SHAPES)
 FP16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 
 
@@ -53,6 +56,7 @@ def weights(qtype: int, layers: int, rng: np.random.Generator) -> tuple[dict, di
         p = pack(repack(raw.numpy(), GGMLQuantizationType(qtype), k))
         copies = layers * ORDER.count(name)
         new[name] = [(gb.interleave(raw, qtype), n) for _ in range(copies)]
+        huge_pages.advise(w for w, _ in new[name])  # on 2 MiB pages, as ModelRunner puts a model's weights
         old[name] = [(p.qweight.clone(), p.scales.clone(), None if p.mins is None else p.mins.clone(), p.n)
                      for _ in range(copies)]
     return new, old
@@ -126,7 +130,7 @@ def main() -> None:
                     tot_t = sum(res[nm][0] for nm in ORDER)
                     tot_b = sum(res[nm][1] for nm in ORDER)
                     tot_f = sum(res[nm][2] for nm in ORDER)
-                    lines = list(res.items()) + [("layer (6 calls)", (tot_t, tot_b, tot_f))]
+                    lines = list(res.items()) + [(f"layer ({len(ORDER)} calls)", (tot_t, tot_b, tot_f))]
                     for name, (t, b, f) in lines:
                         gbs = b / t / 1e9
                         print(f"{tname:5} {variant:10} {op:11} {rows:4d} {name:19} {t * 1e3:8.3f} {gbs:6.1f} "
