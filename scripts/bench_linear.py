@@ -11,7 +11,7 @@ just after that run), and GFLOP/s.
   .venv/bin/python scripts/bench_linear.py                      # everything (a few minutes, on an idle machine)
   .venv/bin/python scripts/bench_linear.py --types Q4_K Q8_0 --rows 1 8
   .venv/bin/python scripts/bench_linear.py --types Q4_K --rows 16 32 64 --paths int8 tile amx --no-old
-    (each linear_gguf path forced, ember::linear_gguf_path: the crossings kGgufAmxMinRows / tile_min_rows;
+    (each linear_gguf path forced, ember::linear_gguf_path: the crossings gguf_amx_min_rows / tile_min_rows;
     amx runs once, on the avx512bf16 tier, where the CPU has AMX-BF16)
 """
 from __future__ import annotations

@@ -132,8 +132,8 @@ Path parse_path(const std::string& p) {
 // AMX runs on the avx512bf16 tier of a CPU with AMX-BF16 (every such CPU has that tier).
 bool amx_for(Isa isa) { return isa == Isa::kAvx512Bf16 && cpu_has_amx_bf16(); }
 
-Path auto_path(const GgufKernel& kernel, Isa isa, int64_t rows) {
-  if (amx_for(isa) && rows >= kGgufAmxMinRows) return Path::kAmx;
+Path auto_path(const GgufKernel& kernel, Isa isa, int64_t qtype, int64_t rows) {
+  if (amx_for(isa) && rows >= gguf_amx_min_rows(qtype)) return Path::kAmx;
   if (kernel.run_block_tile != nullptr && rows >= kernel.tile_min_rows) return Path::kTile;
   if (kernel.run_block_wide != nullptr && rows >= kernel.wide_min_rows) return Path::kWide;
   return Path::kInt8;
@@ -152,7 +152,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (rows == 0 || n == 0) return out;
-  if (path == Path::kAuto) path = auto_path(kernel, isa, rows);
+  if (path == Path::kAuto) path = auto_path(kernel, isa, qtype, rows);
   TORCH_CHECK(path != Path::kTile || kernel.run_block_tile != nullptr, "linear_gguf: the ", isa_name(isa),
               " tier has no tile path");
   TORCH_CHECK(path != Path::kWide || kernel.run_block_wide != nullptr, "linear_gguf: the ", isa_name(isa),
@@ -215,7 +215,7 @@ at::Tensor linear_gguf_path(const at::Tensor& x, const at::Tensor& packed, int64
 std::string linear_gguf_auto_path(int64_t qtype, int64_t rows, const std::string& isa) {
   const Isa t = parse_isa(isa);
   TORCH_CHECK(gguf_type_info(qtype).values != 0, "linear_gguf: unsupported ggml type ", qtype);
-  switch (auto_path(kernel_for(t, qtype), t, rows)) {
+  switch (auto_path(kernel_for(t, qtype), t, qtype, rows)) {
     case Path::kAmx: return "amx";
     case Path::kTile: return "tile";
     case Path::kWide: return "wide";

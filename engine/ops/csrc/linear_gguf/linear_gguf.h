@@ -51,8 +51,12 @@ constexpr float kGgufActMax = 127.0f;   // int8 activations: -127..127, so a sig
 constexpr int64_t kGgufTileMinRows = 16;
 // AMX CPUs (avx512bf16 tier): the AMX path from this many rows on. Measured (1 thread, Llama-1B shapes, GFLOP/s
 // amx vs int8 avx512vnni): Q4_K 100/146 at 16 rows, 148/152 at 24, 196/153 at 32, 327/158 at 64; Q6_K 186/142 at
-// 32; Q8_0 139/109 at 24, 167/118 at 32; Q4_0 226/119 at 32.
-constexpr int64_t kGgufAmxMinRows = 32;
+// 32; Q8_0 139/109 at 24, 167/118 at 32; Q4_0 226/119 at 32. 2 threads, ms per layer (q|k|v, o, gate|up, down;
+// scripts/bench_linear.py --rows 8 16 24 --paths int8 amx, 2026-12-05): the 32-value types' int8 dots are
+// epilogue-bound from 8 rows on (Q4_1 5.4 / 10.0 / 15.3 ms at 8 / 16 / 24 rows, Q8_0 5.5 / 10.2 / 15.1) while AMX
+// costs about the same at 16 and 24 (Q4_1 9.4 / 10.3, Q8_0 10.1 / 11.0): they cross at 16. The K-quants' integer
+// dots stay ahead to 24 rows (Q4_K 9.9 vs 11.0 ms, Q6_K 10.9 vs 11.3): 32.
+inline int64_t gguf_amx_min_rows(int64_t qtype) { return gguf_type_info(qtype).values == 32 ? 16 : 32; }
 constexpr int64_t kGgufTileChunk = 512;  // K values per tile (a multiple of 256): 512 x 32 x 4 B = 64 KiB, in L2
 
 // x quantized: row m, activation block j (32 or 256 values) of K.
@@ -105,7 +109,7 @@ inline int64_t gguf_scratch_floats(int64_t rows, bool tile) {
 
 // AMX many-row path (CPUs where cpu_has_amx_bf16()): each 32-row block's K-chunk dequantized to bf16 (one more
 // rounding of each weight, to nearest even) in AMX's B layout, activations rounded to bf16, tdpbf16ps with fp32
-// sums (linear/amx_bf16.h). From kGgufAmxMinRows rows on (measured: see linear_gguf_amx.cpp).
+// sums (linear/amx_bf16.h). From gguf_amx_min_rows rows on (measured there).
 using GgufBlockFn = void (*)(const GgufLinearArgs& a, int64_t block, float* scratch);
 GgufBlockFn linear_gguf_amx_block(int64_t qtype);
 inline int64_t gguf_amx_scratch_floats(int64_t rows_pad) {
