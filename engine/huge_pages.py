@@ -2,7 +2,7 @@
 
 A decode step streams every weight once. With 4 KiB pages that is one TLB entry per 4 KiB, and on these machines the
 page walks cost the quantized kernels a fifth of their bandwidth: one 1B Q4_K_M decode step took 39.7 ms on 4 KiB
-pages and 32.6 ms on 2 MiB pages (Q8_0 56.6 -> 47.8 ms; bf16, whose kernel does less work per byte, 81.7 either way;
+pages and 31.0 ms on 2 MiB pages (Q8_0 56.6 -> 47.6 ms; bf16, whose kernel does less work per byte, 81.7 -> 77.7;
 docs/benchmarks.md "Weights in 2 MiB pages"). Transparent huge pages are usually enabled only for memory that asks
 (`madvise` in /sys/kernel/mm/transparent_hugepage/enabled), so Ember asks twice:
 
@@ -43,7 +43,8 @@ def thp_mode() -> str:
 
 
 def _spans(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
-    """The 2 MiB-aligned interiors of the tensors' storages, each once (a page is only ever all one kind)."""
+    """The 2 MiB-aligned interiors of the tensors' storages, each storage once: only a whole 2 MiB page inside one
+    tensor can be asked for without touching memory that is not the weights'."""
     seen: set[int] = set()
     spans = []
     for t in tensors:
