@@ -4,15 +4,17 @@ A decode step streams every weight once. With 4 KiB pages that is one TLB entry 
 page walks cost the quantized kernels a fifth of their bandwidth: one 1B Q4_K_M decode step took 39.7 ms on 4 KiB
 pages and 31.0 ms on 2 MiB pages (Q8_0 56.6 -> 47.6 ms; bf16, whose kernel does less work per byte, 81.7 -> 77.7;
 docs/benchmarks.md "Weights in 2 MiB pages"). Transparent huge pages are usually enabled only for memory that asks
-(`madvise` in /sys/kernel/mm/transparent_hugepage/enabled), so Ember asks twice:
+(`madvise` in /sys/kernel/mm/transparent_hugepage/enabled), so after a model is loaded `advise` asks for the weights'
+memory and collapses it into huge pages at once (MADV_COLLAPSE, Linux 6.1 on; before that, khugepaged collapses it
+over the following minutes).
 
-- the `ember` command sets THP_MEM_ALLOC_ENABLE=1 before torch is imported (server/cli/main.py), which makes torch's
-  CPU allocator ask for huge pages for every allocation of 2 MiB or more: weights, the KV pool, large activations;
-- after a model is loaded, `advise` asks for the weights' own memory again and collapses it into huge pages at once
-  (MADV_COLLAPSE, Linux 6.1 on), whoever imported torch first (tests, scripts, an embedding process).
+Only the weights: torch's allocator can ask for huge pages for every allocation of 2 MiB or more
+(THP_MEM_ALLOC_ENABLE=1), but served that way the KV pool and the activations were touched 2 MiB at a time, peak RSS
+rose 90-340 MiB on the 1B files, and bf16 decode was slower (ITL 93 against 78 ms at one client), for no gain on
+the weights that the collapse does not give.
 
-Both are requests: where the kernel says no (THP `never`, an old kernel), the weights stay on 4 KiB pages and
-everything works as before, only slower.
+It is a request: where the kernel says no (THP `never`), the weights stay on 4 KiB pages and everything works as
+before, only slower.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def advise(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
     """Ask for huge pages under these CPU tensors and collapse what they hold into them now.
 
     Returns (bytes asked for, bytes collapsed); collapsed is 0 where the kernel has no MADV_COLLAPSE (the pages then
-    become huge only as khugepaged gets to them, or as torch allocated them with THP_MEM_ALLOC_ENABLE). A file-backed
+    become huge only as khugepaged gets to them). A file-backed
     tensor (a memory map) is skipped by the kernel: only anonymous memory is asked for."""
     asked = collapsed = 0
     if thp_mode() in ("never", "unavailable"):

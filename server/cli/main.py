@@ -47,10 +47,6 @@ def _set_thread_env() -> None:
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:  # an explicit choice wins
         os.environ["GOMP_SPINCOUNT"] = DEFAULT_GOMP_SPINCOUNT
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # torch's CPU allocator asks for 2 MiB pages for allocations of 2 MiB and more (weights, the KV pool): decode
-    # streams the weights, and on 4 KiB pages page walks cost the quantized kernels ~20 % (engine/huge_pages.py).
-    # Read once, at torch's first allocation: it must be set before torch is imported.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:

@@ -200,19 +200,6 @@ def test_openmp_spin_default_yields_to_an_explicit_choice(monkeypatch: pytest.Mo
     assert cli.os.environ.get("OMP_WAIT_POLICY") == preset.get("OMP_WAIT_POLICY")
 
 
-@pytest.mark.parametrize("preset,want", [(None, "1"), ("0", "0")])
-def test_huge_page_allocations_default_on_unless_set(monkeypatch: pytest.MonkeyPatch, preset: str | None,
-                                                     want: str) -> None:
-    from server.cli import main as cli
-
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "")
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
-    if preset is not None:
-        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", preset)
-    cli._set_thread_env()
-    assert cli.os.environ.get("THP_MEM_ALLOC_ENABLE") == want
-
-
 def test_compile_cache_defaults_under_xdg_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from server.cli import engine_args as cli
 
