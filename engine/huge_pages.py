@@ -65,8 +65,7 @@ def advise(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
     """Ask for huge pages under these CPU tensors and collapse what they hold into them now.
 
     Returns (bytes asked for, bytes collapsed); collapsed is 0 where the kernel has no MADV_COLLAPSE (the pages then
-    become huge only as khugepaged gets to them). A file-backed
-    tensor (a memory map) is skipped by the kernel: only anonymous memory is asked for."""
+    become huge only as khugepaged gets to them)."""
     asked = collapsed = 0
     if thp_mode() in ("never", "unavailable"):
         return 0, 0
