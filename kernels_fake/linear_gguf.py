@@ -6,13 +6,13 @@ import torch
 
 import engine.ops.native  # noqa: F401  (builds and registers the ops the fakes attach to)
 from engine.ops.native import NATIVE_OPS
-from engine.quant.gguf_blocks import GGUF_TYPES, ROW_GROUP
+from engine.quant.gguf_blocks import GGUF_TYPES, group_rows
 
 if NATIVE_OPS:
 
     def _k(packed: torch.Tensor, qtype: int) -> int:
         _, values, size = GGUF_TYPES[int(qtype)]
-        return packed.shape[1] // ROW_GROUP // size * values
+        return packed.shape[1] // group_rows(qtype) // size * values
 
     @torch.library.register_fake("ember::linear_gguf")
     def _linear_gguf_fake(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:

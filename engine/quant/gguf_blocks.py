@@ -1,10 +1,14 @@
 """GGUF quantized weights kept in their own block bytes: the layout `ember::linear_gguf` reads, and its fallbacks.
 
 A GGUF tensor of a block type is, per row, `row_bytes = K / block_values * block_bytes` bytes of blocks
-(ggml-common.h). `interleave` only permutes them: rows 4g..4g+3 form group g, and within a group block b of row
-r sits at byte offset (4 * b + r) * block_bytes, so the kernel computing a group's 4 rows reads one sequential
-stream; the last group is padded with zero rows (at most 3 rows of zero bytes, which dequantize to 0). Nothing is
-widened or repacked: the op reads exactly the file's bytes (engine/ops/csrc/linear_gguf/linear_gguf.h).
+(ggml-common.h). `interleave` only permutes them, in groups of `group_rows(qtype)` rows, so the kernel computing a
+group reads one sequential stream; the last group is padded with zero rows (which dequantize to 0). Nothing is
+widened: the op reads exactly the file's bytes (engine/ops/csrc/linear_gguf/linear_gguf.h). Two layouts:
+- 4-row groups (Q5_0, Q5_1, K-quants): within group g (rows 4g..4g+3) block b of row r sits whole at byte
+  (4 * b + r) * block_bytes.
+- 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0): block b of a group is 16 * block_bytes bytes: the 16 rows'
+  fp16 d, for Q4_1 their fp16 m, then the code bytes in chunks of 4 per row, chunk by chunk (chunk c: bytes
+  4c..4c+3 of row 0, of row 1, .. of row 15), so one SIMD dot of a chunk covers 16 rows.
 
 `dequantize` (gguf.quants.dequantize) is the oracle; `linear` and `rows` fall back to it without native ops.
 """
@@ -23,7 +27,19 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
     int(t): (t.name, *GGML_QUANT_SIZES[t])
     for t in (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K)
 }
-ROW_GROUP = 4
+ROW_GROUP = 4  # the 4-row layout's group
+X16_TYPES = frozenset({int(_T.Q4_0), int(_T.Q4_1), int(_T.Q8_0)})  # the 16-row layout's types
+
+
+def group_rows(qtype: int) -> int:
+    """Rows per interleaved group of a type's layout: 16 (Q4_0, Q4_1, Q8_0) or 4."""
+    return 16 if int(qtype) in X16_TYPES else ROW_GROUP
+
+
+def _x16_fields(qtype: int) -> tuple[int, int]:
+    """(bytes of fp16 scales, code bytes) of one block of a 16-row type: d (and Q4_1's m) before the codes."""
+    head = 4 if int(qtype) == int(_T.Q4_1) else 2
+    return head, _info(qtype)[2] - head
 
 
 def _info(qtype: int) -> tuple[str, int, int]:
@@ -42,27 +58,43 @@ def _check_rows(raw: torch.Tensor, qtype: int) -> tuple[int, int]:
 
 
 def interleave(raw: torch.Tensor, qtype: int) -> torch.Tensor:
-    """uint8 [N, row_bytes] (GGUF rows, as the file stores them) -> uint8 [ceil(N/4), 4*row_bytes]: rows 4g..4g+3
-    form group g; within a group, block b of row r sits at byte offset (4*b + r) * block_bytes (the last group
-    padded with zero rows). A pure byte permutation: same bytes as the file."""
+    """uint8 [N, row_bytes] (GGUF rows, as the file stores them) -> uint8 [ceil(N/G), G*row_bytes], G =
+    group_rows(qtype), laid out as the module docstring says (the last group padded with zero rows). A pure byte
+    permutation: the same bytes as the file."""
     nb, size = _check_rows(raw, qtype)
-    n = raw.shape[0]
-    groups = -(-n // ROW_GROUP)
-    padded = raw.new_zeros((groups * ROW_GROUP, raw.shape[1]))
+    n, g = raw.shape[0], group_rows(qtype)
+    groups = -(-n // g)
+    padded = raw.new_zeros((groups * g, raw.shape[1]))
     padded[:n] = raw
-    return padded.view(groups, ROW_GROUP, nb, size).transpose(1, 2).contiguous().view(groups, ROW_GROUP * nb * size)
+    blocks = padded.view(groups, g, nb, size).transpose(1, 2)  # [groups, nb, g, size]
+    if g == ROW_GROUP:
+        return blocks.contiguous().view(groups, g * nb * size)
+    head, codes = _x16_fields(qtype)
+    scales = blocks[..., :head].reshape(groups, nb, g, head // 2, 2).transpose(2, 3)  # [.., field, row, 2 bytes]
+    chunks = blocks[..., head:].reshape(groups, nb, g, codes // 4, 4).transpose(2, 3)  # [.., chunk, row, 4 bytes]
+    out = torch.cat([scales.reshape(groups, nb, -1), chunks.reshape(groups, nb, -1)], dim=2)
+    return out.contiguous().view(groups, g * nb * size)
 
 
 def deinterleave(packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
-    """The inverse of `interleave`: [ceil(N/4), 4*row_bytes] -> [N, row_bytes] GGUF rows."""
+    """The inverse of `interleave`: [ceil(N/G), G*row_bytes] -> [N, row_bytes] GGUF rows."""
     _, _, size = _info(qtype)
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % (ROW_GROUP * size):
+    g = group_rows(qtype)
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % (g * size):
         raise ValueError(f"not an interleaved {GGUF_TYPES[int(qtype)][0]} weight: {packed.dtype} "
                          f"{tuple(packed.shape)}")
-    if not ROW_GROUP * (packed.shape[0] - 1) < n <= ROW_GROUP * packed.shape[0]:
+    if not g * (packed.shape[0] - 1) < n <= g * packed.shape[0]:
         raise ValueError(f"{tuple(packed.shape)} is not an interleaved weight of {n} rows")
-    groups, nb = packed.shape[0], packed.shape[1] // (ROW_GROUP * size)
-    rows = packed.view(groups, nb, ROW_GROUP, size).transpose(1, 2).reshape(groups * ROW_GROUP, nb * size)
+    groups, nb = packed.shape[0], packed.shape[1] // (g * size)
+    if g == ROW_GROUP:
+        blocks = packed.view(groups, nb, g, size)
+    else:
+        head, codes = _x16_fields(qtype)
+        per_block = packed.view(groups, nb, g * size)
+        scales = per_block[..., : g * head].reshape(groups, nb, head // 2, g, 2).transpose(2, 3)
+        chunks = per_block[..., g * head :].reshape(groups, nb, codes // 4, g, 4).transpose(2, 3)
+        blocks = torch.cat([scales.reshape(groups, nb, g, head), chunks.reshape(groups, nb, g, codes)], dim=3)
+    rows = blocks.transpose(1, 2).reshape(groups * g, nb * size)
     return rows[:n].contiguous()
 
 
@@ -77,7 +109,7 @@ def dequantize(raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dtype = 
 
 def _n_cols(packed: torch.Tensor, qtype: int) -> int:
     _, values, size = _info(qtype)
-    return packed.shape[1] // ROW_GROUP // size * values
+    return packed.shape[1] // group_rows(qtype) // size * values
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:

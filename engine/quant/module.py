@@ -46,8 +46,8 @@ class QuantizedPart(nn.Module):
 
 
 class GGUFPart(nn.Module):
-    """One weight in a GGUF type's own blocks, rows interleaved by 4 (gguf_blocks.interleave: the file's bytes,
-    reordered so 4 rows stream as one)."""
+    """One weight in a GGUF type's own blocks, rows interleaved in groups (gguf_blocks.interleave: the file's bytes,
+    reordered so a group of rows streams as one)."""
 
     def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, n: int) -> None:
         super().__init__()
@@ -66,7 +66,7 @@ class GGUFPart(nn.Module):
     @property
     def in_features(self) -> int:
         block, type_size = gguf_blocks.GGUF_TYPES[int(self.qtype)][1:]
-        return self.blocks.shape[1] // gguf_blocks.ROW_GROUP // type_size * block
+        return self.blocks.shape[1] // gguf_blocks.group_rows(int(self.qtype)) // type_size * block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gguf_blocks.linear(x, self.blocks, int(self.qtype), self.out_features)

@@ -201,15 +201,29 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa: str) -> None:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
 def test_interleave_is_a_byte_permutation(qtype: int) -> None:
-    raw = random_rows(qtype, 13, 512, seed=4)
+    n = 37  # 3 groups of 16 (11 zero rows) or 10 of 4 (3 zero rows)
+    raw = random_rows(qtype, n, 512, seed=4)
     packed = gb.interleave(raw, qtype)
-    assert packed.shape == (4, 4 * raw.shape[1]) and packed.dtype == torch.uint8
-    assert packed.numel() - raw.numel() == 3 * raw.shape[1]  # the file's bytes + 3 zero rows
-    assert torch.equal(gb.deinterleave(packed, qtype, 13), raw)
+    g = gb.group_rows(qtype)
+    assert g == (16 if gb.GGUF_TYPES[qtype][0] in ("Q4_0", "Q4_1", "Q8_0") else 4)
+    pad = -n % g
+    assert packed.shape == (-(-n // g), g * raw.shape[1]) and packed.dtype == torch.uint8
+    assert packed.numel() - raw.numel() == pad * raw.shape[1]  # the file's bytes + the zero rows
+    assert torch.equal(gb.deinterleave(packed, qtype, n), raw)
     _, _, size = gb.GGUF_TYPES[qtype]
-    b, r = 1, 2  # block b of row 4 + r (group 1) at byte (4 b + r) * size of the group
-    assert torch.equal(packed[1, (4 * b + r) * size:(4 * b + r + 1) * size], raw[4 + r, b * size:(b + 1) * size])
-    assert torch.equal(torch.sort(packed.flatten()).values[3 * raw.shape[1]:], torch.sort(raw.flatten()).values)
+    b, r = 1, 2  # block b of row g + r (group 1)
+    blk = packed[1, g * b * size:g * (b + 1) * size]
+    if g == 4:  # whole, at (4 b + r) * size of the group
+        assert torch.equal(blk[r * size:(r + 1) * size], raw[4 + r, b * size:(b + 1) * size])
+    else:  # the 16 rows' fp16 fields first, field by field, then the codes 4 bytes a row, chunk by chunk
+        src = raw[16 + r, b * size:(b + 1) * size]
+        head = 4 if gb.GGUF_TYPES[qtype][0] == "Q4_1" else 2
+        for f in range(head // 2):
+            assert torch.equal(blk[32 * f + 2 * r:32 * f + 2 * r + 2], src[2 * f:2 * f + 2])
+        for c in range((size - head) // 4):
+            at = 16 * head + 64 * c + 4 * r
+            assert torch.equal(blk[at:at + 4], src[head + 4 * c:head + 4 * c + 4])
+    assert torch.equal(torch.sort(packed.flatten()).values[pad * raw.shape[1]:], torch.sort(raw.flatten()).values)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES)

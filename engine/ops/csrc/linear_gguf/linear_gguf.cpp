@@ -1,5 +1,5 @@
 // ember::linear_gguf on CPU: y[..., N] = x[..., K] @ W[N, K]^T for a weight held in GGUF's own block bytes,
-// 4-row interleaved (linear_gguf.h), x and y in bf16 or fp32; and ember::gguf_rows, the exact dequantized rows
+// interleaved in row groups (linear_gguf.h), x and y in bf16 or fp32; and ember::gguf_rows, the exact dequantized rows
 // (embeddings). This file checks the arguments, quantizes x to int8 once per call, picks the kernel of the active
 // ISA tier and spreads blocks of 32 output rows over the threads (common/parallel_blocks.h). ISA: none.
 //
@@ -108,13 +108,14 @@ int64_t checked_k(const at::Tensor& packed, int64_t qtype, int64_t n) {
   const GgufTypeInfo ti = gguf_type_info(qtype);
   TORCH_CHECK(ti.values != 0, "linear_gguf: unsupported ggml type ", qtype,
               " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
-  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte,
-              "packed must be a contiguous uint8 [ceil(N/4), 4 * row bytes] tensor (gguf_blocks.interleave)");
-  TORCH_CHECK(packed.size(1) % (4 * ti.bytes) == 0 && packed.size(1) > 0,
-              "packed rows of ", packed.size(1), " bytes are not 4 rows of whole ", ti.bytes, "-byte blocks");
-  TORCH_CHECK(n > 4 * (packed.size(0) - 1) && n <= 4 * packed.size(0), "packed [", packed.size(0), ", ",
+  const int64_t g = gguf_group_rows(qtype);
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte, "packed must be a "
+              "contiguous uint8 [ceil(N/", g, "), ", g, " * row bytes] tensor (gguf_blocks.interleave)");
+  TORCH_CHECK(packed.size(1) % (g * ti.bytes) == 0 && packed.size(1) > 0,
+              "packed rows of ", packed.size(1), " bytes are not ", g, " rows of whole ", ti.bytes, "-byte blocks");
+  TORCH_CHECK(n > g * (packed.size(0) - 1) && n <= g * packed.size(0), "packed [", packed.size(0), ", ",
               packed.size(1), "] is not an interleaved weight of ", n, " rows");
-  return packed.size(1) / 4 / ti.bytes * ti.values;
+  return packed.size(1) / g / ti.bytes * ti.values;
 }
 
 // Which kernel family a call runs: by the CPU's features and the row count (kAuto), or forced (tests, benchmarks).
@@ -231,7 +232,7 @@ std::string linear_gguf_variant(const std::string& isa) {
 // Rows `ids` of the weight, dequantized exactly as gguf does (embedding lookups), in fp32 or bf16 (rounded).
 at::Tensor gguf_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t qtype, int64_t n,
                      at::ScalarType dtype) {
-  const int64_t k = checked_k(packed, qtype, n), row_bytes = packed.size(1) / 4;
+  const int64_t k = checked_k(packed, qtype, n);
   TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, "gguf_rows: ids must be int64/int32");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gguf_rows: dtype must be float32 or bfloat16");
   const at::Tensor idc = ids.to(at::kLong).contiguous();
@@ -243,7 +244,7 @@ at::Tensor gguf_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t qt
   const uint8_t* w = packed.data_ptr<uint8_t>();
   for (int64_t i = 0; i < idc.numel(); ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < n, "gguf_rows: row ", id[i], " out of range for ", n, " rows");
-    gguf_dequant_row(qtype, w + (id[i] / 4) * 4 * row_bytes, id[i] % 4, k, o + i * k);
+    gguf_dequant_row(qtype, w, id[i], k, o + i * k);
   }
   return dtype == at::kFloat ? out : out.to(dtype);
 }

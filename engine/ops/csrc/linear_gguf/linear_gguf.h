@@ -3,9 +3,16 @@
 // is also the test oracle and gguf_rows' dequantizer, in linear_gguf_scalar.cpp). ISA: none.
 //
 // The weight is GGUF's own block bytes (ggml-common.h layouts), only permuted (engine/quant/gguf_blocks.py
-// interleave): rows 4g..4g+3 form group g, and block b of the group's row r sits at byte (4 b + r) * block_bytes,
-// the last group padded with zero rows. A thread computing a group's 4 rows reads one sequential stream (4
-// separate row streams ran at half the bandwidth, linear_q.h), and the bytes read are exactly the file's.
+// interleave), in groups of gguf_group_rows(qtype) rows, the last group padded with zero rows. A thread computing a
+// group's rows reads one sequential stream (separate row streams ran at half the bandwidth, linear_q.h), and the
+// bytes read are exactly the file's. Two layouts:
+// - 4-row groups (Q5_0, Q5_1, K-quants): block b of the group's row r sits whole at byte (4 b + r) * block_bytes.
+// - 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0: "x16"): block b of the group is 16 block_bytes at byte
+//   16 b block_bytes: the 16 rows' fp16 d (32 B), for Q4_1 then their fp16 m (32 B), then chunks of 64 B, chunk c
+//   holding bytes 4c..4c+3 of each row's codes in row order (Q4: 4 chunks of the 16 nibble bytes, so chunk c's low
+//   nibbles are values 4c..4c+3 and its high ones 16+4c..; Q8_0: 8 chunks of the 32 code bytes). One vpdpbusd of
+//   a chunk against 4 broadcast activation bytes gives 16 rows' partial dots, one row a lane, so each block's
+//   scales apply once per 16 rows (linear_gguf_x16.h) instead of once per row.
 //
 // Activations are quantized once per call, per row, symmetric and rounded to nearest, to int8 (-127..127) in
 // blocks of 32 (types with 32-value blocks, like ggml's q8_0) or 256 (K-quants, like q8_K), one fp32 scale per
@@ -38,6 +45,24 @@ inline GgufTypeInfo gguf_type_info(int64_t qtype) {
     case kQ6_K: return {256, 210};  // 128 B low nibbles, 64 B 2-bit highs, 16 int8 sc, fp16 d: d sc (q - 32) per 16
     default: return {0, 0};
   }
+}
+
+inline bool gguf_x16(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
+inline int64_t gguf_group_rows(int64_t qtype) { return gguf_x16(qtype) ? 16 : 4; }
+
+// Row n's block b as GGUF stores it (block_bytes bytes): a pointer into the weight w (4-row groups), or `tmp`
+// (block_bytes at least) filled from the 16-row layout. For dequantizers, not hot loops.
+inline const uint8_t* gguf_row_block(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t b,
+                                     uint8_t* tmp) {
+  const int bytes = gguf_type_info(qtype).bytes;
+  const int64_t g = gguf_group_rows(qtype), r = n % g;
+  const uint8_t* group = w + (n / g) * g * row_bytes;
+  if (g == 4) return group + (4 * b + r) * bytes;
+  const uint8_t* blk = group + b * 16 * bytes;
+  const int scales = qtype == kQ4_1 ? 2 : 1, chunks = qtype == kQ8_0 ? 8 : 4;
+  for (int s = 0; s < scales; ++s) __builtin_memcpy(tmp + 2 * s, blk + 32 * s + 2 * r, 2);
+  for (int c = 0; c < chunks; ++c) __builtin_memcpy(tmp + 2 * scales + 4 * c, blk + 32 * scales + 64 * c + 4 * r, 4);
+  return tmp;
 }
 
 constexpr int64_t kGgufBlockRows = 32;  // output rows per unit of work stolen between threads
@@ -120,8 +145,8 @@ GgufKernel linear_gguf_kernel_scalar(int64_t qtype);
 GgufKernel linear_gguf_kernel_avx2(int64_t qtype);
 GgufKernel linear_gguf_kernel_avx512vnni(int64_t qtype);
 
-// Row r (0..3) of a 4-row interleaved group, inputs [0, k), as fp32 exactly as gguf.quants.dequantize computes
-// them (each value one rounding at most, of the same exact operands). Portable C++ (linear_gguf_scalar.cpp).
-void gguf_dequant_row(int64_t qtype, const uint8_t* group, int64_t r, int64_t k, float* out);
+// Row n of the interleaved weight w, inputs [0, k), as fp32 exactly as gguf.quants.dequantize computes them (each
+// value one rounding at most, of the same exact operands). Portable C++ (linear_gguf_scalar.cpp).
+void gguf_dequant_row(int64_t qtype, const uint8_t* w, int64_t n, int64_t k, float* out);
 
 }  // namespace ember

@@ -107,14 +107,14 @@ void run_block(const GgufLinearArgs& a, int64_t block, float*) {
   const int64_t n1 = n0 + kGgufBlockRows < a.n ? n0 + kGgufBlockRows : a.n;
   const bool kq = ti.values == 256;
   Block blk;
+  uint8_t tmp[256];
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* group = a.w + (n / 4) * 4 * row_bytes;
     for (int64_t m = 0; m < a.rows; ++m) {
       const int8_t* xq = a.x.q + m * k;
       const int16_t* bs = a.x.bsum + m * (k / 16);
       float y = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
-        decode(a.qtype, group + (4 * b + n % 4) * ti.bytes, blk);
+        decode(a.qtype, gguf_row_block(a.qtype, a.w, row_bytes, n, b, tmp), blk);
         const int8_t* x = xq + b * ti.values;
         const int16_t* s = bs + b * ti.values / 16;
         const float xd = a.x.d[m * nb + b];
@@ -151,11 +151,12 @@ void run_block(const GgufLinearArgs& a, int64_t block, float*) {
 
 }  // namespace
 
-void ember::gguf_dequant_row(int64_t qtype, const uint8_t* group, int64_t r, int64_t k, float* out) {
+void ember::gguf_dequant_row(int64_t qtype, const uint8_t* w, int64_t n, int64_t k, float* out) {
   const GgufTypeInfo ti = gguf_type_info(qtype);
   Block blk;
+  uint8_t tmp[256];
   for (int64_t b = 0; b < k / ti.values; ++b) {
-    decode(qtype, group + (4 * b + r) * ti.bytes, blk);
+    decode(qtype, gguf_row_block(qtype, w, k / ti.values * ti.bytes, n, b, tmp), blk);
     float* o = out + b * ti.values;
     for (int i = 0; i < ti.values; ++i) {  // gguf's operand order; every product here is exact in fp32
       const float q = static_cast<float>(blk.q[i] - blk.off);

@@ -7,6 +7,7 @@
 
 #include "linear/linear_fma_body.h"
 #include "linear_gguf/linear_gguf_body.h"
+#include "linear_gguf/linear_gguf_x16.h"
 
 namespace {
 
@@ -73,6 +74,7 @@ struct GgufTile {
   static void dequant_rows(const GgufLinearArgs& a, int64_t n0, int64_t k0, int64_t kc, float* out) {
     const ember::GgufTypeInfo ti = ember::gguf_type_info(T);
     const int64_t row_bytes = a.k / ti.values * ti.bytes;
+    uint8_t tmp[256];
     for (int64_t r = 0; r < kRows; ++r) {
       float* o = out + r * kChunk;
       const int64_t n = n0 + r;
@@ -80,9 +82,8 @@ struct GgufTile {
         for (int64_t i = 0; i < kc; ++i) o[i] = 0.0f;
         continue;
       }
-      const uint8_t* group = a.w + (n / 4) * 4 * row_bytes;
       for (int64_t b = k0 / ti.values; b < (k0 + kc) / ti.values; ++b)
-        g_dequant_block<T, V>(group + (4 * b + n % 4) * ti.bytes, o + b * ti.values - k0);
+        g_dequant_block<T, V>(ember::gguf_row_block(T, a.w, row_bytes, n, b, tmp), o + b * ti.values - k0);
     }
   }
 
@@ -130,15 +131,18 @@ struct GgufTile {
   }
 };
 
-// The kernel of type `qtype` for integer policy V and fp32 vectors VF; lane_offset as GgufActs::off documents.
-template <class V, class VF>
+// The kernel of type `qtype` for integer policy V, 16-row policy X (linear_gguf_x16.h) and fp32 vectors VF;
+// lane_offset as GgufActs::off documents (a 16-row kernel's lane is a whole row: the whole offset).
+template <class V, class VF, class X>
 struct GgufKernels {
   template <int T>
   static ember::GgufKernel entry() {
-    constexpr int lane = T == ember::kQ4_0 ? 1 : T == ember::kQ5_0 ? 2 : T == ember::kQ8_0 && V::kQ8Offset ? 16 : 0;
+    constexpr bool x16 = T == ember::kQ4_0 || T == ember::kQ4_1 || T == ember::kQ8_0;
+    constexpr int lane = x16 ? (T == ember::kQ4_0 ? 8 : T == ember::kQ8_0 && X::kQ8Offset ? 128 : 0)
+                             : T == ember::kQ5_0 ? 2 : 0;
     constexpr bool kq = T == ember::kQ4_K || T == ember::kQ5_K || T == ember::kQ6_K;
-    ember::GgufKernel out{GgufBody<V>::template run_block<T>, GgufTile<V, VF>::template run_block_tile<T>, lane,
-                          V::tile_min_rows(T)};
+    ember::GgufKernel out{x16 ? X16Body<X>::template run_block<T> : GgufBody<V>::template run_block<T>,
+                          GgufTile<V, VF>::template run_block_tile<T>, lane, V::tile_min_rows(T)};
     if constexpr (kq && V::R == 1) {  // the wide path: K-quants on the 256-bit policy (AVX2)
       out.run_block_wide = GgufBody<V>::template run_block<T, true>;
       out.wide_min_rows = V::wide_min_rows(T);
