@@ -76,12 +76,15 @@ constexpr float kGgufActMax = 127.0f;   // int8 activations: -127..127, so a sig
 constexpr int64_t kGgufTileMinRows = 16;
 // AMX CPUs (avx512bf16 tier): the AMX path from this many rows on. Measured (1 thread, Llama-1B shapes, GFLOP/s
 // amx vs int8 avx512vnni): Q4_K 100/146 at 16 rows, 148/152 at 24, 196/153 at 32, 327/158 at 64; Q6_K 186/142 at
-// 32; Q8_0 139/109 at 24, 167/118 at 32; Q4_0 226/119 at 32. 2 threads, ms per layer (q|k|v, o, gate|up, down;
-// scripts/bench_linear.py --rows 8 16 24 --paths int8 amx, 2026-12-05): the 32-value types' int8 dots are
-// epilogue-bound from 8 rows on (Q4_1 5.4 / 10.0 / 15.3 ms at 8 / 16 / 24 rows, Q8_0 5.5 / 10.2 / 15.1) while AMX
-// costs about the same at 16 and 24 (Q4_1 9.4 / 10.3, Q8_0 10.1 / 11.0): they cross at 16. The K-quants' integer
-// dots stay ahead to 24 rows (Q4_K 9.9 vs 11.0 ms, Q6_K 10.9 vs 11.3): 32.
-inline int64_t gguf_amx_min_rows(int64_t qtype) { return gguf_type_info(qtype).values == 32 ? 16 : 32; }
+// 32. 2 threads, ms per layer (q|k|v, o, gate|up, down; scripts/bench_linear.py --paths int8 amx): the 4-row
+// layout's 32-value types (Q5_0, Q5_1; 2026-12-05, then also Q4_0/Q4_1/Q8_0) are epilogue-bound from 8 rows on
+// (Q4_1 5.4 / 10.0 / 15.3 ms at 8 / 16 / 24 rows) while AMX costs about the same at 16 and 24 (9.4 / 10.3): 16.
+// The 16-row layout's int8 dots (Q4_0 / Q4_1 / Q8_0) cost 3.7-5.3 ms at 16 rows, 7.1-8.8 at 32, 13.8-15.5 at 64,
+// against AMX's 8.7-9.3, 8.7-10.0, 11.1-11.7: 40. The K-quants' integer dots stay ahead to 24 rows (Q4_K 9.9 vs
+// 11.0 ms, Q6_K 10.9 vs 11.3): 32.
+inline int64_t gguf_amx_min_rows(int64_t qtype) {
+  return gguf_x16(qtype) ? 40 : gguf_type_info(qtype).values == 32 ? 16 : 32;
+}
 constexpr int64_t kGgufTileChunk = 512;  // K values per tile (a multiple of 256): 512 x 32 x 4 B = 64 KiB, in L2
 
 // x quantized: row m, activation block j (32 or 256 values) of K.

@@ -16,10 +16,13 @@ struct MaddDot {  // vpmaddubsw then vpmaddwd by ones; Q8_0's sign moved onto x 
   // Integer dots until the fp32 tile path catches up. Measured on the AMX Xeon with this variant forced, Llama-1B
   // shapes, GFLOP/s int8 vs tile over a layer. 1 thread: Q8_0 76/55 at 48, 77/82 at 64; Q4_0 76/49 at 32, 77/82 at
   // 64. 2 threads (scripts/bench_linear.py --paths int8 tile): Q4_K 186/158 at 128, 206/169 at 256, 181/177 at 512,
-  // 178/168 at 1024; Q6_K 185/120 at 128, 187/179 at 256, 177/172 at 512, 176/181 at 1024. So the K-quants stay on
-  // integers through any prefill chunk (the tile never won by more than the noise), the 32-value types go from 64.
+  // 178/168 at 1024; Q6_K 185/120 at 128, 187/179 at 256, 177/172 at 512, 176/181 at 1024. The 16-row layout
+  // (2026-12-05): Q4_0 286/144 at 64, 280/191 at 256; Q8_0 216/113 at 64, 215/130 at 256. So the K-quants stay on
+  // integers through any prefill chunk (the tile never won by more than the noise), and so do the 16-row types;
+  // Q5_0 / Q5_1 go to the tile from 64.
   static constexpr int64_t tile_min_rows(int t) {
-    return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? 1024 : 64;
+    return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? 1024
+         : t == ember::kQ5_0 || t == ember::kQ5_1 ? 64 : int64_t{1} << 40;
   }
   // K-quants' wide path (8 rows in the float lanes, linear_gguf_body.h's dotk), measured on an AVX2-only EPYC, 2
   // threads, GFLOP/s int8 vs wide (scripts/bench_linear.py --paths int8 wide): Q4_K 188/219 at 32, 184/216 at 64,

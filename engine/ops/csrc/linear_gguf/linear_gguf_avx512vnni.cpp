@@ -33,10 +33,11 @@ struct GAvx512 {
   // 153/84 at 32, 158/106 at 64; Q8_0 118/88 at 32, 122/115 at 64; Q4_0 119/82 at 32, 120/126 at 64. 2 threads
   // (scripts/bench_linear.py --paths int8 tile): Q4_K 308/227 at 128, 298/291 at 256, 287/269 at 512, 276/283 at
   // 1024; Q6_K 256/228 at 128, 284/255 at 256, 267/271 at 512, 269/270 at 1024. With vpdpwssd folding the K-quants'
-  // accumulate (2026-12-03): Q4_K 369/333 at 512, 346/317 at 1024; Q6_K 361/335 at 512, 347/300 at 1024. So
-  // K-quants never take the tile here; Q8_0 from 96 rows, the other 32-value types from 64.
+  // accumulate (2026-12-03): Q4_K 369/333 at 512, 346/317 at 1024; Q6_K 361/335 at 512, 347/300 at 1024. The
+  // 16-row layout (2026-12-05): Q4_0 557/213 at 64, 550/290 at 256; Q8_0 508/218 at 64, 559/283 at 256. So
+  // K-quants and the 16-row types never take the tile here; Q5_0 / Q5_1 from 64.
   static constexpr int64_t tile_min_rows(int t) {
-    return t == ember::kQ4_K || t == ember::kQ5_K || t == ember::kQ6_K ? int64_t{1} << 40 : t == ember::kQ8_0 ? 96 : 64;
+    return t == ember::kQ5_0 || t == ember::kQ5_1 ? 64 : int64_t{1} << 40;
   }
 
   static I cat(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
