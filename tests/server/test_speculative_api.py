@@ -33,7 +33,11 @@ def test_draft_counts_add_up_across_meta_info_and_metrics(server: Server, http: 
     for _ in range(2):
         prompt += _generate(http, prompt, 40)["output_ids"]
     before = http.get("/metrics").text
-    metas = [_generate(http, prompt, 48)["meta_info"] for _ in range(3)]
+    # Whether a step drafts is the planner's call from measured step times, which a busy machine (the rest of the
+    # suite on two cores) can make look too dear for a while: rounds of 3 until one kept a draft, at most 6.
+    metas: list[dict] = []
+    while len(metas) < 18 and not sum(m["spec_accepted_tokens"] for m in metas):
+        metas += [_generate(http, prompt, 48)["meta_info"] for _ in range(3)]
     after = http.get("/metrics").text
     proposed = sum(m["spec_proposed_tokens"] for m in metas)
     accepted = sum(m["spec_accepted_tokens"] for m in metas)
