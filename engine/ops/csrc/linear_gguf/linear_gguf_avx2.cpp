@@ -47,7 +47,10 @@ struct X16Avx2 {  // 8 rows a ymm (a group is two); Q8_0 dotted signed, its sign
   using I = __m256i;
   using F = __m256;
   static constexpr int L = 8;
-  static constexpr bool kQ8Offset = false;
+  static constexpr bool kQ8Offset = false, kPairSums = true;
+  static I pairs(I w, uint32_t x4) { return _mm256_maddubs_epi16(w, _mm256_set1_epi32(static_cast<int>(x4))); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I widen(I p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
   static I load(const uint8_t* p) { return g_load256(p); }
   static F half(const uint8_t* p) { return _mm256_cvtph_ps(g_load128(p)); }
   static I q8(I w) { return w; }

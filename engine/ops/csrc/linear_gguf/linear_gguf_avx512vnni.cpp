@@ -89,7 +89,7 @@ struct X16Avx512 {  // 16 rows a zmm; Q8_0 made unsigned (codes + 128)
   using I = __m512i;
   using F = __m512;
   static constexpr int L = 16;
-  static constexpr bool kQ8Offset = true;
+  static constexpr bool kQ8Offset = true, kPairSums = false;  // vpdpbusd sums 4 products a lane in one
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I q8(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }

@@ -5,6 +5,7 @@
 //   P::load(p)    L * 4 bytes: one chunk's rows; P::half(p): L fp16 -> fp32
 //   P::dot(acc, w, x4)  acc + per lane the 4 products of unsigned w bytes and the 4 signed activation bytes x4
 //                 (vpdpbusd; vpmaddubsw + vpmaddwd + vpaddd); P::dot8 the same for Q8_0's codes as P::q8 made them
+//   P::kPairSums  the 4-bit types' dots summed as vpmaddubsw's int16 pairs first (P::pairs, P::add16, P::widen)
 //   P::kQ8Offset  Q8_0 made unsigned (codes + 128, the 128 sum(x) taken off through GgufActs::off) rather than
 //                 dotted signed
 // Each block (32 values) costs, per activation row, 8 dots and one scale FMA (two with Q4_1's min) for all 16 rows
@@ -55,14 +56,22 @@ struct X16Body {
       }
       for (int m = 0; m < MT; ++m) {
         const int8_t* xm = x.q + m * k + 32 * b;
+        // w[c] holds values 4c..4c+3 (Q8_0), or 4c.. (c < 4) and 16 + 4(c - 4).. (4-bit)
+        const auto x4 = [&](int c) {
+          return g_load32(reinterpret_cast<const uint8_t*>(xm + (q8 || c < 4 ? 4 * c : 16 + 4 * (c - 4))));
+        };
         I s[NA];
-        for (int a = 0; a < NA; ++a) s[a] = P::izero();
-        for (int c = 0; c < NW; ++c) {  // w[c] holds values 4c..4c+3 (Q8_0) or 4c / 16 + 4(c - 4) (4-bit)
-          const int at = q8 ? 4 * c : c < 4 ? 4 * c : 16 + 4 * (c - 4);
-          if constexpr (q8) s[c % NA] = P::dot8(s[c % NA], w[c], g_load32(reinterpret_cast<const uint8_t*>(xm + at)));
-          else s[c % NA] = P::dot(s[c % NA], w[c], g_load32(reinterpret_cast<const uint8_t*>(xm + at)));
+        if constexpr (P::kPairSums && !q8) {
+          // vpmaddubsw pairs of 4-bit codes are at most 2 x 15 x 127 = 3810: the 8 chunks' pairs add up in int16
+          // (30480) and widen once.
+          I p = P::pairs(w[0], x4(0));
+          for (int c = 1; c < NW; ++c) p = P::add16(p, P::pairs(w[c], x4(c)));
+          s[0] = P::widen(p);
+        } else {
+          for (int a = 0; a < NA; ++a) s[a] = P::izero();
+          for (int c = 0; c < NW; ++c) s[c % NA] = q8 ? P::dot8(s[c % NA], w[c], x4(c)) : P::dot(s[c % NA], w[c], x4(c));
+          if constexpr (NA == 2) s[0] = P::add(s[0], s[1]);
         }
-        if constexpr (NA == 2) s[0] = P::add(s[0], s[1]);
         if constexpr (off) s[0] = P::sub(s[0], P::set1i(x.off[m * nb + b]));
         acc[m] = P::fma(P::cvt(s[0]), P::mul(dw, P::set1(x.d[m * nb + b])), acc[m]);
         if constexpr (min) acc[m] = P::fma(mw, P::set1(x.msum[m * nb + b]), acc[m]);
