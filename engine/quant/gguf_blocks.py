@@ -4,11 +4,12 @@ A GGUF tensor of a block type is, per row, `row_bytes = K / block_values * block
 (ggml-common.h). `interleave` only permutes them, in groups of `group_rows(qtype)` rows, so the kernel computing a
 group reads one sequential stream; the last group is padded with zero rows (which dequantize to 0). Nothing is
 widened: the op reads exactly the file's bytes (engine/ops/csrc/linear_gguf/linear_gguf.h). Two layouts:
-- 4-row groups (Q5_0, Q5_1, K-quants): within group g (rows 4g..4g+3) block b of row r sits whole at byte
+- 4-row groups (Q5_0, Q5_1, Q5_K, Q6_K): within group g (rows 4g..4g+3) block b of row r sits whole at byte
   (4 * b + r) * block_bytes.
-- 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0): block b of a group is 16 * block_bytes bytes: the 16 rows'
-  fp16 d, for Q4_1 their fp16 m, then the code bytes in chunks of 4 per row, chunk by chunk (chunk c: bytes
-  4c..4c+3 of row 0, of row 1, .. of row 15), so one SIMD dot of a chunk covers 16 rows.
+- 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0, Q4_K): block b of a group is 16 * block_bytes bytes: the 16
+  rows' fp16 d, for Q4_1 / Q4_K their fp16 m / dmin, then the rest of the block (Q4_K: its 12 scale bytes, then
+  the codes) in chunks of 4 bytes per row, chunk by chunk (chunk c: bytes 4c..4c+3 of row 0, of row 1, .. of row
+  15), so one SIMD dot of a chunk covers 16 rows.
 
 `dequantize` (gguf.quants.dequantize) is the oracle; `linear` and `rows` fall back to it without native ops.
 """
@@ -28,7 +29,7 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
     for t in (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K)
 }
 ROW_GROUP = 4  # the 4-row layout's group
-X16_TYPES = frozenset({int(_T.Q4_0), int(_T.Q4_1), int(_T.Q8_0)})  # the 16-row layout's types
+X16_TYPES = frozenset({int(_T.Q4_0), int(_T.Q4_1), int(_T.Q8_0), int(_T.Q4_K)})  # the 16-row layout's types
 
 
 def group_rows(qtype: int) -> int:
@@ -37,8 +38,8 @@ def group_rows(qtype: int) -> int:
 
 
 def _x16_fields(qtype: int) -> tuple[int, int]:
-    """(bytes of fp16 scales, code bytes) of one block of a 16-row type: d (and Q4_1's m) before the codes."""
-    head = 4 if int(qtype) == int(_T.Q4_1) else 2
+    """(bytes of fp16 scales, the rest) of one block of a 16-row type: d (and Q4_1's m, Q4_K's dmin) first."""
+    head = 4 if int(qtype) in (int(_T.Q4_1), int(_T.Q4_K)) else 2
     return head, _info(qtype)[2] - head
 
 

@@ -117,7 +117,7 @@ def test_every_path_matches_gguf_dequantize_then_matmul(isa: str, path: str, qty
     n, k = 37, 1280
     _, packed, w = _packed(qtype, n, k, seed=rows + 50)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    if path == "wide" and qtype not in K_QUANTS:  # the wide path is the K-quants' only
+    if path == "wide" and (qtype not in K_QUANTS or gb.group_rows(qtype) != 4):  # the 4-row K-quants' only
         with pytest.raises(RuntimeError, match="no wide path"):
             torch.ops.ember.linear_gguf_path(x, packed, qtype, n, isa, path)
         return
@@ -137,7 +137,8 @@ def test_auto_paths_follow_the_thresholds() -> None:
             assert seq == sorted(seq) and seq[0] == 0, (tier, qtype)
             if tier == "avx512bf16" and HAS_AMX:
                 assert seq[-1] == 3
-            if str(torch.ops.ember.linear_gguf_variant(tier)) == "avx2" and qtype in K_QUANTS:
+            if str(torch.ops.ember.linear_gguf_variant(tier)) == "avx2" and qtype in K_QUANTS and \
+                    gb.group_rows(qtype) == 4:  # (a 16-row Q4_K has no wide path: its int8 path has the rows in lanes)
                 assert _auto(qtype, 63, tier) == "int8" and _auto(qtype, 64, tier) == "wide", (tier, qtype)
             if tier == "scalar":
                 assert set(seq) == {0}
@@ -192,7 +193,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa: str) -> None:
     for qtype in (2, 8, 12, 14):
         _, packed, _ = _packed(qtype, 70, 512, seed=1)
         x = torch.randn(100, 512, generator=torch.Generator().manual_seed(2))
-        wide = ("wide",) if str(torch.ops.ember.linear_gguf_variant(isa)) == "avx2" and qtype in K_QUANTS else ()
+        wide = ("wide",) if str(torch.ops.ember.linear_gguf_variant(isa)) == "avx2" and qtype in K_QUANTS and \
+            gb.group_rows(qtype) == 4 else ()
         for path in ("int8", "tile") + wide if isa != "scalar" else ("int8",):
             ref = torch.ops.ember.linear_gguf_path(x, packed, qtype, 70, isa, path)
             for r in (1, 2, 3, 8, 9, 15, 16, 17, 33, 64):
@@ -205,7 +207,7 @@ def test_interleave_is_a_byte_permutation(qtype: int) -> None:
     raw = random_rows(qtype, n, 512, seed=4)
     packed = gb.interleave(raw, qtype)
     g = gb.group_rows(qtype)
-    assert g == (16 if gb.GGUF_TYPES[qtype][0] in ("Q4_0", "Q4_1", "Q8_0") else 4)
+    assert g == (16 if gb.GGUF_TYPES[qtype][0] in ("Q4_0", "Q4_1", "Q8_0", "Q4_K") else 4)
     pad = -n % g
     assert packed.shape == (-(-n // g), g * raw.shape[1]) and packed.dtype == torch.uint8
     assert packed.numel() - raw.numel() == pad * raw.shape[1]  # the file's bytes + the zero rows
@@ -217,7 +219,7 @@ def test_interleave_is_a_byte_permutation(qtype: int) -> None:
         assert torch.equal(blk[r * size:(r + 1) * size], raw[4 + r, b * size:(b + 1) * size])
     else:  # the 16 rows' fp16 fields first, field by field, then the codes 4 bytes a row, chunk by chunk
         src = raw[16 + r, b * size:(b + 1) * size]
-        head = 4 if gb.GGUF_TYPES[qtype][0] == "Q4_1" else 2
+        head = 4 if gb.GGUF_TYPES[qtype][0] in ("Q4_1", "Q4_K") else 2
         for f in range(head // 2):
             assert torch.equal(blk[32 * f + 2 * r:32 * f + 2 * r + 2], src[2 * f:2 * f + 2])
         for c in range((size - head) // 4):
@@ -277,11 +279,11 @@ def test_torch_compile_fullgraph_equals_eager() -> None:
     ("n", "not an interleaved weight of 13 rows"),
     ("dtype", "bfloat16 or float32 input"),
     ("packed_dtype", "contiguous uint8"),
-    ("bytes", "not 4 rows of whole 144-byte blocks"),
+    ("bytes", "not 4 rows of whole 210-byte blocks"),
 ])
 def test_bad_arguments_are_refused_clearly(bad: str, match: str) -> None:
-    _, packed, _ = _packed(12, 10, 512, seed=9)
-    x, qtype, n = torch.randn(2, 512), 12, 10
+    _, packed, _ = _packed(14, 10, 512, seed=9)  # Q6_K: 4-row groups, so 13 rows cannot be 3 groups' worth
+    x, qtype, n = torch.randn(2, 512), 14, 10
     if bad == "qtype":
         qtype = 1
     elif bad == "k":

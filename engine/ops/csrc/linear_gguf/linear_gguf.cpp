@@ -45,7 +45,7 @@ GgufKernel kernel_for(Isa isa, int64_t qtype) {
 struct QuantizedActs {
   std::vector<int8_t> q;
   std::vector<float> d, msum;
-  std::vector<int16_t> bsum;
+  std::vector<int16_t> bsum, s32;
   std::vector<int32_t> off;
   std::vector<float> kt;
   std::vector<int16_t> ktp;
@@ -60,6 +60,8 @@ void quantize(const float* x, int64_t rows, int64_t k, int64_t qb, int lane_offs
   if (qb == 32) {
     o.off.resize(rows * k / 32);
     o.msum.resize(rows * k / 32);
+  } else {
+    o.s32.resize(rows * k / 32);
   }
   for (int64_t j = 0; j < rows * k / qb; ++j) {
     const float* v = x + j * qb;
@@ -79,6 +81,9 @@ void quantize(const float* x, int64_t rows, int64_t k, int64_t qb, int lane_offs
       for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
       o.bsum[j * qb / 16 + s] = static_cast<int16_t>(sum);
     }
+    if (qb == 256)
+      for (int64_t s = 0; s < 8; ++s)  // |sum over 32| <= 32 x 127: an int16
+        o.s32[j * 8 + s] = static_cast<int16_t>(o.bsum[j * 16 + 2 * s] + o.bsum[j * 16 + 2 * s + 1]);
     if (qb == 32) {
       const int sum = o.bsum[2 * j] + o.bsum[2 * j + 1];
       o.off[j] = sum * lane_offset;
@@ -187,7 +192,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
     quantize(xf, rows, k, gguf_type_info(qtype).values, kernel.lane_offset, acts);
     if (path == Path::kWide) transpose_tiles(rows, k, acts);
     args.x = {acts.q.data(), acts.d.data(), acts.bsum.data(), acts.off.data(), acts.msum.data(),
-              acts.kt.empty() ? nullptr : acts.kt.data(), acts.ktp.empty() ? nullptr : acts.ktp.data()};
+              acts.kt.empty() ? nullptr : acts.kt.data(), acts.ktp.empty() ? nullptr : acts.ktp.data(),
+              acts.s32.empty() ? nullptr : acts.s32.data()};
   }
   const auto run_block = tile ? kernel.run_block_tile : path == Path::kWide ? kernel.run_block_wide : kernel.run_block;
   parallel_blocks((n + kGgufBlockRows - 1) / kGgufBlockRows, gguf_scratch_floats(rows, tile),

@@ -6,13 +6,14 @@
 // interleave), in groups of gguf_group_rows(qtype) rows, the last group padded with zero rows. A thread computing a
 // group's rows reads one sequential stream (separate row streams ran at half the bandwidth, linear_q.h), and the
 // bytes read are exactly the file's. Two layouts:
-// - 4-row groups (Q5_0, Q5_1, K-quants): block b of the group's row r sits whole at byte (4 b + r) * block_bytes.
-// - 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0: "x16"): block b of the group is 16 block_bytes at byte
-//   16 b block_bytes: the 16 rows' fp16 d (32 B), for Q4_1 then their fp16 m (32 B), then chunks of 64 B, chunk c
-//   holding bytes 4c..4c+3 of each row's codes in row order (Q4: 4 chunks of the 16 nibble bytes, so chunk c's low
-//   nibbles are values 4c..4c+3 and its high ones 16+4c..; Q8_0: 8 chunks of the 32 code bytes). One vpdpbusd of
-//   a chunk against 4 broadcast activation bytes gives 16 rows' partial dots, one row a lane, so each block's
-//   scales apply once per 16 rows (linear_gguf_x16.h) instead of once per row.
+// - 4-row groups (Q5_0, Q5_1, Q5_K, Q6_K): block b of the group's row r sits whole at byte (4 b + r) * block_bytes.
+// - 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0, Q4_K: "x16"): block b of the group is 16 block_bytes at
+//   byte 16 b block_bytes: the 16 rows' fp16 d (32 B), for Q4_1 / Q4_K then their fp16 m / dmin (32 B), then the
+//   rest of each row's block in chunks of 64 B, chunk c holding bytes 4c..4c+3 of it for each row in row order
+//   (Q4_0 / Q4_1: 4 chunks of the 16 nibble bytes, so chunk c's low nibbles are values 4c..4c+3 and its high ones
+//   16+4c..; Q8_0: 8 chunks of the 32 code bytes; Q4_K: 3 chunks of the 12 scale bytes, then 32 of the 128 nibble
+//   bytes). One vpdpbusd of a chunk against 4 broadcast activation bytes gives 16 rows' partial dots, one row a
+//   lane, so each block's scales apply once per 16 rows (linear_gguf_x16.h) instead of once per row.
 //
 // Activations are quantized once per call, per row, symmetric and rounded to nearest, to int8 (-127..127) in
 // blocks of 32 (types with 32-value blocks, like ggml's q8_0) or 256 (K-quants, like q8_K), one fp32 scale per
@@ -47,7 +48,7 @@ inline GgufTypeInfo gguf_type_info(int64_t qtype) {
   }
 }
 
-inline bool gguf_x16(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
+inline bool gguf_x16(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K; }
 inline int64_t gguf_group_rows(int64_t qtype) { return gguf_x16(qtype) ? 16 : 4; }
 
 // Row n's block b as GGUF stores it (block_bytes bytes): a pointer into the weight w (4-row groups), or `tmp`
@@ -59,7 +60,7 @@ inline const uint8_t* gguf_row_block(int64_t qtype, const uint8_t* w, int64_t ro
   const uint8_t* group = w + (n / g) * g * row_bytes;
   if (g == 4) return group + (4 * b + r) * bytes;
   const uint8_t* blk = group + b * 16 * bytes;
-  const int scales = qtype == kQ4_1 ? 2 : 1, chunks = qtype == kQ8_0 ? 8 : 4;
+  const int scales = qtype == kQ4_1 || qtype == kQ4_K ? 2 : 1, chunks = (bytes - 2 * scales) / 4;
   for (int s = 0; s < scales; ++s) __builtin_memcpy(tmp + 2 * s, blk + 32 * s + 2 * r, 2);
   for (int c = 0; c < chunks; ++c) __builtin_memcpy(tmp + 2 * scales + 4 * c, blk + 32 * scales + 64 * c + 4 * r, 4);
   return tmp;
@@ -80,10 +81,10 @@ constexpr int64_t kGgufTileMinRows = 16;
 // layout's 32-value types (Q5_0, Q5_1; 2026-12-05, then also Q4_0/Q4_1/Q8_0) are epilogue-bound from 8 rows on
 // (Q4_1 5.4 / 10.0 / 15.3 ms at 8 / 16 / 24 rows) while AMX costs about the same at 16 and 24 (9.4 / 10.3): 16.
 // The 16-row layout's int8 dots (Q4_0 / Q4_1 / Q8_0) cost 3.7-5.3 ms at 16 rows, 7.1-8.8 at 32, 13.8-15.5 at 64,
-// against AMX's 8.7-9.3, 8.7-10.0, 11.1-11.7: 40. The K-quants' integer dots stay ahead to 24 rows (Q4_K 9.9 vs
-// 11.0 ms, Q6_K 10.9 vs 11.3): 32.
+// against AMX's 8.7-9.3, 8.7-10.0, 11.1-11.7: 40; its Q4_K 11.1 / 15.2 ms at 48 / 64 rows against 13.5 / 14.9: 64.
+// The 4-row K-quants' integer dots stay ahead to 24 rows (Q6_K 10.9 vs 11.3): 32.
 inline int64_t gguf_amx_min_rows(int64_t qtype) {
-  return gguf_x16(qtype) ? 40 : gguf_type_info(qtype).values == 32 ? 16 : 32;
+  return qtype == kQ4_K ? 64 : gguf_x16(qtype) ? 40 : gguf_type_info(qtype).values == 32 ? 16 : 32;
 }
 constexpr int64_t kGgufTileChunk = 512;  // K values per tile (a multiple of 256): 512 x 32 x 4 B = 64 KiB, in L2
 
@@ -103,6 +104,8 @@ struct GgufActs {
   // pairs, vpmaddwd against pairs of sub-block mins). Else nullptr.
   const float* kt;
   const int16_t* ktp;
+  // K-quants: [rows, K / 32] sum of q per 32 values (the 16-row Q4_K kernel's mins), else nullptr.
+  const int16_t* s32;
 };
 
 constexpr int kGgufRowTile = 8;      // activation rows sharing each decoded weight vector (linear_gguf_body.h)

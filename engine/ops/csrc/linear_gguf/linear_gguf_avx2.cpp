@@ -61,6 +61,10 @@ struct X16Avx2 {  // 8 rows a ymm (a group is two); Q8_0 dotted signed, its sign
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I srli32(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static I slli32(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I madd16(I a, I b) { return _mm256_madd_epi16(a, b); }
   static I srli16_4(I a) { return _mm256_srli_epi16(a, 4); }
   static I mask8(int v) { return g_mask8(v); }
   static I izero() { return _mm256_setzero_si256(); }

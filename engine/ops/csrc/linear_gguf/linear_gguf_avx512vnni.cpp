@@ -98,6 +98,10 @@ struct X16Avx512 {  // 16 rows a zmm; Q8_0 made unsigned (codes + 128)
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I srli32(I a, int n) { return _mm512_srli_epi32(a, n); }
+  static I slli32(I a, int n) { return _mm512_slli_epi32(a, n); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I madd16(I a, I b) { return _mm512_madd_epi16(a, b); }
   static I srli16_4(I a) { return _mm512_srli_epi16(a, 4); }
   static I mask8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
   static I izero() { return _mm512_setzero_si512(); }

@@ -137,13 +137,13 @@ template <class V, class VF, class X>
 struct GgufKernels {
   template <int T>
   static ember::GgufKernel entry() {
-    constexpr bool x16 = T == ember::kQ4_0 || T == ember::kQ4_1 || T == ember::kQ8_0;
+    constexpr bool x16 = T == ember::kQ4_0 || T == ember::kQ4_1 || T == ember::kQ8_0 || T == ember::kQ4_K;
     constexpr int lane = x16 ? (T == ember::kQ4_0 ? 8 : T == ember::kQ8_0 && X::kQ8Offset ? 128 : 0)
                              : T == ember::kQ5_0 ? 2 : 0;
     constexpr bool kq = T == ember::kQ4_K || T == ember::kQ5_K || T == ember::kQ6_K;
     ember::GgufKernel out{x16 ? X16Body<X>::template run_block<T> : GgufBody<V>::template run_block<T>,
                           GgufTile<V, VF>::template run_block_tile<T>, lane, V::tile_min_rows(T)};
-    if constexpr (kq && V::R == 1) {  // the wide path: K-quants on the 256-bit policy (AVX2)
+    if constexpr (kq && V::R == 1 && !x16) {  // the wide path: K-quants on the 256-bit policy (AVX2)
       out.run_block_wide = GgufBody<V>::template run_block<T, true>;
       out.wide_min_rows = V::wide_min_rows(T);
     }

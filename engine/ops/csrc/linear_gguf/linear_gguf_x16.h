@@ -1,4 +1,4 @@
-// ember::linear_gguf's integer kernel for the 16-row layout (Q4_0, Q4_1, Q8_0; linear_gguf.h), written once over a
+// ember::linear_gguf's integer kernel for the 16-row layout (Q4_0, Q4_1, Q8_0, Q4_K; linear_gguf.h), written once over a
 // policy P (linear_gguf_avx2.cpp, _avx512vnni.cpp):
 //   P::I / P::F   integer / float vector of P::L rows, one row a 32-bit lane (AVX-512: 16 rows, AVX2: 8, so a group
 //                 is 16 / L vectors)
@@ -23,28 +23,52 @@ struct X16Body {
   using F = typename P::F;
   static constexpr int L = P::L, H = 16 / L;
 
-  // The weight's byte offset past the scales, and Q8_0's 8 chunks or the 4-bit types' 4.
-  template <int T> static constexpr int head() { return T == ember::kQ4_1 ? 64 : 32; }
-  template <int T> static constexpr int bytes() { return T == ember::kQ4_0 ? 18 : T == ember::kQ4_1 ? 20 : 34; }
+  template <int T> static constexpr int bytes() {
+    return T == ember::kQ4_0 ? 18 : T == ember::kQ4_1 ? 20 : T == ember::kQ8_0 ? 34 : 144;
+  }
+  template <int T> static constexpr int values() { return T == ember::kQ4_K ? 256 : 32; }
 
-  // res[m * L + l] = row 16 g + L h + l dotted with activation row m (m < MT), the group starting at g.
+  static void prefetch(const uint8_t* p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
+  }
+
+  // Per lane, the sum over c < 8 of unsigned w[c]'s 4 bytes times x[4c..4c+3] (4-bit codes: w <= 15), in int32.
+  template <int NA>
+  static I sum8(const I* w, const int8_t* x) {
+    const auto x4 = [&](int c) { return g_load32(reinterpret_cast<const uint8_t*>(x + 4 * c)); };
+    if constexpr (P::kPairSums) {
+      // vpmaddubsw pairs of 4-bit codes are at most 2 x 15 x 127 = 3810: 8 chunks' pairs add up in int16 (30480)
+      // and widen once.
+      I p = P::pairs(w[0], x4(0));
+      for (int c = 1; c < 8; ++c) p = P::add16(p, P::pairs(w[c], x4(c)));
+      return P::widen(p);
+    } else {
+      I s[NA];
+      for (int a = 0; a < NA; ++a) s[a] = P::izero();
+      for (int c = 0; c < 8; ++c) s[c % NA] = P::dot(s[c % NA], w[c], x4(c));
+      for (int a = 1; a < NA; ++a) s[0] = P::add(s[0], s[a]);
+      return s[0];
+    }
+  }
+
+  // res[m * L + l] = row 16 g + L h + l dotted with activation row m (m < MT), the group starting at g. 32-value
+  // types: chunk c of a block holds values 4c.. (Q8_0), or 4c.. in its low nibbles and 16 + 4c.. in its high ones.
   template <int T, int MT>
   static void dot(const uint8_t* g, int h, const GgufActs& x, int64_t k, float* res) {
     constexpr bool q8 = T == ember::kQ8_0, min = T == ember::kQ4_1;
     constexpr bool off = T == ember::kQ4_0 || (q8 && P::kQ8Offset);
-    constexpr int bb = bytes<T>(), hd = head<T>(), NW = 8;
+    constexpr int bb = bytes<T>(), hd = min ? 64 : 32;
     constexpr int NA = MT < 4 ? 2 : 1;  // independent sums a row below 4 rows, so the dependent dots overlap
     const int64_t nb = k / 32;
     F acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = P::zero();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = g + b * 16 * bb;
-      if (h == 0)  // the group's whole block, once (the other half hits the cache)
-        for (int o = 0; o < 16 * bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + o), _MM_HINT_T0);
+      if (h == 0) prefetch(blk, 16 * bb);  // the group's whole block, once (the other half hits the cache)
       const F dw = P::half(blk + 2 * L * h);
       F mw = dw;
       if constexpr (min) mw = P::mul(P::half(blk + 32 + 2 * L * h), P::set1(8.0f));  // msum is d sum(x) / 8
-      I w[NW];  // the 8 vectors of 4 values: Q8_0's chunks, or the 4-bit chunks' low then high nibbles
+      I w[8];  // values 4c.. of the block: Q8_0's chunks, or the 4-bit chunks' low then high nibbles
       for (int c = 0; c < (q8 ? 8 : 4); ++c) {
         const I q = P::load(blk + hd + 64 * c + 4 * L * h);
         if constexpr (q8) {
@@ -56,25 +80,74 @@ struct X16Body {
       }
       for (int m = 0; m < MT; ++m) {
         const int8_t* xm = x.q + m * k + 32 * b;
-        // w[c] holds values 4c..4c+3 (Q8_0), or 4c.. (c < 4) and 16 + 4(c - 4).. (4-bit)
-        const auto x4 = [&](int c) {
-          return g_load32(reinterpret_cast<const uint8_t*>(xm + (q8 || c < 4 ? 4 * c : 16 + 4 * (c - 4))));
-        };
-        I s[NA];
-        if constexpr (P::kPairSums && !q8) {
-          // vpmaddubsw pairs of 4-bit codes are at most 2 x 15 x 127 = 3810: the 8 chunks' pairs add up in int16
-          // (30480) and widen once.
-          I p = P::pairs(w[0], x4(0));
-          for (int c = 1; c < NW; ++c) p = P::add16(p, P::pairs(w[c], x4(c)));
-          s[0] = P::widen(p);
+        I s;
+        if constexpr (q8) {
+          I t[NA];
+          for (int a = 0; a < NA; ++a) t[a] = P::izero();
+          for (int c = 0; c < 8; ++c)
+            t[c % NA] = P::dot8(t[c % NA], w[c], g_load32(reinterpret_cast<const uint8_t*>(xm + 4 * c)));
+          s = NA == 2 ? P::add(t[0], t[NA - 1]) : t[0];
         } else {
-          for (int a = 0; a < NA; ++a) s[a] = P::izero();
-          for (int c = 0; c < NW; ++c) s[c % NA] = q8 ? P::dot8(s[c % NA], w[c], x4(c)) : P::dot(s[c % NA], w[c], x4(c));
-          if constexpr (NA == 2) s[0] = P::add(s[0], s[1]);
+          s = sum8<NA>(w, xm);
         }
-        if constexpr (off) s[0] = P::sub(s[0], P::set1i(x.off[m * nb + b]));
-        acc[m] = P::fma(P::cvt(s[0]), P::mul(dw, P::set1(x.d[m * nb + b])), acc[m]);
+        if constexpr (off) s = P::sub(s, P::set1i(x.off[m * nb + b]));
+        acc[m] = P::fma(P::cvt(s), P::mul(dw, P::set1(x.d[m * nb + b])), acc[m]);
         if constexpr (min) acc[m] = P::fma(mw, P::set1(x.msum[m * nb + b]), acc[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
+  }
+
+  // The same for Q4_K: per 256-value block the rows' d and dmin, 3 chunks of their 12 scale bytes, then 32 chunks of
+  // nibbles, chunk c's low nibbles values 64 (c / 8) + 4 (c % 8).. (sub-block 2 (c / 8)) and its high ones 32
+  // further (sub-block 2 (c / 8) + 1). y = xd (d sum_s sc_s dot_s - dmin sum_s mn_s xsum_s): the dots are exact
+  // integers, scaled per sub-block in fp32; the mins go through vpmaddwd with the activations' per-32 sums.
+  template <int MT>
+  static void dot_q4k(const uint8_t* g, int h, const GgufActs& x, int64_t k, float* res) {
+    constexpr int bb = 144, NA = MT < 4 ? 2 : 1;
+    const int64_t nsb = k / 256;
+    F acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = P::zero();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* blk = g + sb * 16 * bb;
+      if (h == 0) prefetch(blk, 16 * bb);
+      const F d = P::half(blk + 2 * L * h), dmin = P::half(blk + 32 + 2 * L * h);
+      // ggml's get_scale_min_k4, per lane: sc[0..3] / mn[0..3] the low 6 bits of bytes 0-3 / 4-7; sc[4..7]
+      // (mn[4..7]) the low (high) nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 (4-7) above them.
+      const uint8_t* sc = blk + 64 + 4 * L * h;
+      const I u0 = P::load(sc), u1 = P::load(sc + 64), u2 = P::load(sc + 128);
+      const I m6 = P::set1i(63), m4 = P::set1i(15), m2 = P::set1i(3);
+      F scf[8];
+      I mn[8];
+      for (int s = 0; s < 4; ++s) {
+        scf[s] = P::cvt(P::and_(P::srli32(u0, 8 * s), m6));
+        mn[s] = P::and_(P::srli32(u1, 8 * s), m6);
+        scf[4 + s] = P::cvt(P::or_(P::and_(P::srli32(u2, 8 * s), m4),
+                                   P::slli32(P::and_(P::srli32(u0, 8 * s + 6), m2), 4)));
+        mn[4 + s] = P::or_(P::and_(P::srli32(u2, 8 * s + 4), m4), P::slli32(P::and_(P::srli32(u1, 8 * s + 6), m2), 4));
+      }
+      I mnp[4];  // int16 pairs (mn[2p], mn[2p + 1]) per lane, against the activations' (sum[2p], sum[2p + 1])
+      for (int p = 0; p < 4; ++p) mnp[p] = P::or_(mn[2 * p], P::slli32(mn[2 * p + 1], 16));
+      const uint8_t* qs = blk + 64 + 3 * 64 + 4 * L * h;
+      for (int j = 0; j < 4; ++j) {
+        I w[16];  // the 8 chunks' low nibbles (sub-block 2j), then their high ones (2j + 1)
+        for (int c = 0; c < 8; ++c) {
+          const I q = P::load(qs + 64 * (8 * j + c));
+          w[c] = P::and_(q, P::mask8(0x0F));
+          w[8 + c] = P::and_(P::srli16_4(q), P::mask8(0x0F));
+        }
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xm = x.q + m * k + 256 * sb + 64 * j;
+          const F dx = P::mul(d, P::set1(x.d[m * nsb + sb]));
+          acc[m] = P::fma(P::cvt(sum8<NA>(w, xm)), P::mul(scf[2 * j], dx), acc[m]);
+          acc[m] = P::fma(P::cvt(sum8<NA>(w + 8, xm + 32)), P::mul(scf[2 * j + 1], dx), acc[m]);
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.s32 + m * (k / 32) + 8 * sb);
+        I ms = P::madd16(mnp[0], P::set1i(static_cast<int32_t>(g_load32(xs))));
+        for (int p = 1; p < 4; ++p) ms = P::add(ms, P::madd16(mnp[p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p)))));
+        acc[m] = P::fma(P::cvt(ms), P::mul(dmin, P::set1(-x.d[m * nsb + sb])), acc[m]);
       }
     }
     for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
@@ -83,22 +156,30 @@ struct X16Body {
   using DotFn = void (*)(const uint8_t*, int, const GgufActs&, int64_t, float*);
 
   template <int T, int MT>
+  static constexpr DotFn pick() {
+    if constexpr (T == ember::kQ4_K) return dot_q4k<MT>;
+    else return dot<T, MT>;
+  }
+
+  template <int T, int MT>
   static DotFn dot_for(int64_t mt) {
-    if constexpr (MT == 1) return dot<T, 1>;
-    else return mt == MT ? dot<T, MT> : dot_for<T, MT - 1>(mt);
+    constexpr DotFn f = pick<T, MT>();
+    if constexpr (MT == 1) return f;
+    else return mt == MT ? f : dot_for<T, MT - 1>(mt);
   }
 
   // Every row of output block `block` (two groups), activation rows in tiles of kRowTile sharing each decoded chunk.
   template <int T>
   static void run_block(const GgufLinearArgs& a, int64_t block, float*) {
-    const int64_t k = a.k, nb = k / 32, group_bytes = 16 * nb * bytes<T>();
+    const int64_t k = a.k, nb = k / values<T>(), group_bytes = 16 * nb * bytes<T>();
     const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
+    constexpr bool kq = T == ember::kQ4_K;
     float res[kRowTile * L];
     for (int64_t m0 = 0; m0 < a.rows; m0 += kRowTile) {
       const int64_t mt = g_min64(kRowTile, a.rows - m0);
       const DotFn fn = dot_for<T, kRowTile>(mt);
-      const GgufActs x{a.x.q + m0 * k, a.x.d + m0 * nb, nullptr, a.x.off + m0 * nb, a.x.msum + m0 * nb, nullptr,
-                       nullptr};
+      const GgufActs x{a.x.q + m0 * k, a.x.d + m0 * nb, nullptr, kq ? nullptr : a.x.off + m0 * nb,
+                       kq ? nullptr : a.x.msum + m0 * nb, nullptr, nullptr, kq ? a.x.s32 + m0 * (k / 32) : nullptr};
       for (int64_t gi = n0 / 16; gi < (n1 + 15) / 16; ++gi)
         for (int h = 0; h < H; ++h) {
           const int64_t r0 = 16 * gi + L * h;
