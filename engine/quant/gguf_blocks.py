@@ -65,16 +65,23 @@ def interleave(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     nb, size = _check_rows(raw, qtype)
     n, g = raw.shape[0], group_rows(qtype)
     groups = -(-n // g)
-    padded = raw.new_zeros((groups * g, raw.shape[1]))
-    padded[:n] = raw
+    if n % g:
+        padded = raw.new_zeros((groups * g, raw.shape[1]))
+        padded[:n] = raw
+    else:
+        padded = raw.contiguous()
     blocks = padded.view(groups, g, nb, size).transpose(1, 2)  # [groups, nb, g, size]
     if g == ROW_GROUP:
         return blocks.contiguous().view(groups, g * nb * size)
+    # Copied straight into place through views (one pass, no intermediate copies: a load's peak memory is the
+    # largest weight twice, not four times).
     head, codes = _x16_fields(qtype)
-    scales = blocks[..., :head].reshape(groups, nb, g, head // 2, 2).transpose(2, 3)  # [.., field, row, 2 bytes]
-    chunks = blocks[..., head:].reshape(groups, nb, g, codes // 4, 4).transpose(2, 3)  # [.., chunk, row, 4 bytes]
-    out = torch.cat([scales.reshape(groups, nb, -1), chunks.reshape(groups, nb, -1)], dim=2)
-    return out.contiguous().view(groups, g * nb * size)
+    out = raw.new_empty((groups, nb, g * size))
+    out[..., : g * head].view(groups, nb, head // 2, g, 2).copy_(
+        blocks[..., :head].unflatten(-1, (head // 2, 2)).transpose(2, 3))  # [.., field, row, 2 bytes]
+    out[..., g * head :].view(groups, nb, codes // 4, g, 4).copy_(
+        blocks[..., head:].unflatten(-1, (codes // 4, 4)).transpose(2, 3))  # [.., chunk, row, 4 bytes]
+    return out.view(groups, g * nb * size)
 
 
 def deinterleave(packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
