@@ -1,5 +1,5 @@
-// ember::linear_gguf's integer kernel for the 16-row layout (Q4_0, Q4_1, Q8_0, Q4_K; linear_gguf.h), written once over a
-// policy P (linear_gguf_avx2.cpp, _avx512vnni.cpp):
+// ember::linear_gguf's integer kernel for the 16-row layout (Q4_0, Q4_1, Q8_0, Q4_K; linear_gguf.h), written once
+// over a policy P (linear_gguf_avx2.cpp, _avx512vnni.cpp):
 //   P::I / P::F   integer / float vector of P::L rows, one row a 32-bit lane (AVX-512: 16 rows, AVX2: 8, so a group
 //                 is 16 / L vectors)
 //   P::load(p)    L * 4 bytes: one chunk's rows; P::half(p): L fp16 -> fp32
@@ -8,6 +8,7 @@
 //   P::kPairSums  the 4-bit types' dots summed as vpmaddubsw's int16 pairs first (P::pairs, P::add16, P::widen)
 //   P::kQ8Offset  Q8_0 made unsigned (codes + 128, the 128 sum(x) taken off through GgufActs::off) rather than
 //                 dotted signed
+//   P::srli32, slli32, or_, madd16  Q4_K's per-lane 6-bit scale unpacking and its mins (vpmaddwd)
 // Each block (32 values) costs, per activation row, 8 dots and one scale FMA (two with Q4_1's min) for all 16 rows
 // of a group: the 4-row layout's per-row float work was what bound its small batches (linear_gguf.h).
 // Included inside the ISA's target region, after linear_gguf_body.h.
@@ -145,8 +146,11 @@ struct X16Body {
       }
       for (int m = 0; m < MT; ++m) {
         const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.s32 + m * (k / 32) + 8 * sb);
-        I ms = P::madd16(mnp[0], P::set1i(static_cast<int32_t>(g_load32(xs))));
-        for (int p = 1; p < 4; ++p) ms = P::add(ms, P::madd16(mnp[p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p)))));
+        const auto pair = [&](int p) {
+          return P::madd16(mnp[p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p))));
+        };
+        I ms = pair(0);
+        for (int p = 1; p < 4; ++p) ms = P::add(ms, pair(p));
         acc[m] = P::fma(P::cvt(ms), P::mul(dmin, P::set1(-x.d[m * nsb + sb])), acc[m]);
       }
     }
