@@ -33,7 +33,7 @@ X16_TYPES = frozenset({int(_T.Q4_0), int(_T.Q4_1), int(_T.Q8_0), int(_T.Q4_K)}) 
 
 
 def group_rows(qtype: int) -> int:
-    """Rows per interleaved group of a type's layout: 16 (Q4_0, Q4_1, Q8_0) or 4."""
+    """Rows per interleaved group of a type's layout: 16 (X16_TYPES) or 4."""
     return 16 if int(qtype) in X16_TYPES else ROW_GROUP
 
 

@@ -43,11 +43,10 @@ struct MaddDot {  // vpmaddubsw then vpmaddwd by ones; Q8_0's sign moved onto x 
 };
 using GAvx2 = G256<MaddDot>;
 
-struct X16Avx2 {  // 8 rows a ymm (a group is two); Q8_0 dotted signed, its sign moved onto x (vpsignb)
-  using I = __m256i;
-  using F = __m256;
+// 8 rows a ymm (a group is two), GAvx2's arithmetic; Q8_0 dotted signed, its sign moved onto x (vpsignb).
+struct X16Avx2 : GAvx2 {
   static constexpr int L = 8;
-  static constexpr bool kQ8Offset = false, kPairSums = true;
+  static constexpr bool kPairSums = true;
   static I pairs(I w, uint32_t x4) { return _mm256_maddubs_epi16(w, _mm256_set1_epi32(static_cast<int>(x4))); }
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I widen(I p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
@@ -58,23 +57,8 @@ struct X16Avx2 {  // 8 rows a ymm (a group is two); Q8_0 dotted signed, its sign
   static I dot8(I acc, I w, uint32_t x4) {
     return add(acc, MaddDot::dot_s8(w, _mm256_set1_epi32(static_cast<int>(x4))));
   }
-  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
-  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I srli32(I a, int n) { return _mm256_srli_epi32(a, n); }
   static I slli32(I a, int n) { return _mm256_slli_epi32(a, n); }
-  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-  static I madd16(I a, I b) { return _mm256_madd_epi16(a, b); }
-  static I srli16_4(I a) { return _mm256_srli_epi16(a, 4); }
-  static I mask8(int v) { return g_mask8(v); }
-  static I izero() { return _mm256_setzero_si256(); }
-  static I set1i(int32_t v) { return _mm256_set1_epi32(v); }
-  static F zero() { return _mm256_setzero_ps(); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
-  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 }  // namespace
 

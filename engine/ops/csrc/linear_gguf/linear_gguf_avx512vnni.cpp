@@ -85,32 +85,16 @@ struct GAvx512 {
   }
 };
 
-struct X16Avx512 {  // 16 rows a zmm; Q8_0 made unsigned (codes + 128)
-  using I = __m512i;
-  using F = __m512;
+struct X16Avx512 : GAvx512 {  // 16 rows a zmm, GAvx512's arithmetic; Q8_0 made unsigned (codes + 128)
   static constexpr int L = 16;
-  static constexpr bool kQ8Offset = true, kPairSums = false;  // vpdpbusd sums 4 products a lane in one
+  static constexpr bool kPairSums = false;  // vpdpbusd sums 4 products a lane in one
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I q8(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
   static I dot(I acc, I w, uint32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(static_cast<int>(x4))); }
   static I dot8(I acc, I w, uint32_t x4) { return dot(acc, w, x4); }
-  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
-  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I srli32(I a, int n) { return _mm512_srli_epi32(a, n); }
   static I slli32(I a, int n) { return _mm512_slli_epi32(a, n); }
-  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-  static I madd16(I a, I b) { return _mm512_madd_epi16(a, b); }
-  static I srli16_4(I a) { return _mm512_srli_epi16(a, 4); }
-  static I mask8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
-  static I izero() { return _mm512_setzero_si512(); }
-  static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
-  static F zero() { return _mm512_setzero_ps(); }
-  static F set1(float v) { return _mm512_set1_ps(v); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 }  // namespace
