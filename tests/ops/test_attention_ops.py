@@ -46,6 +46,42 @@ def test_native_decode_attention_matches_reference(dtype: torch.dtype, tol: floa
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def _verify_rows(lens_per_request: list[list[int]], q_dtype: torch.dtype, heads: int, kv_heads: int, dim: int):
+    """A verify step's batch: each request's rows (its last token and its drafts) at consecutive lengths on its own
+    request row, as engine/speculative.py lays them out."""
+    q, k, v, kc, vc, _, table, _, _ = _setup(q_dtype, [max(ls) for ls in lens_per_request], heads, kv_heads, dim)
+    rows = torch.tensor([i + 1 for i, ls in enumerate(lens_per_request) for _ in ls], dtype=torch.int64)
+    seq = torch.tensor([n for ls in lens_per_request for n in ls], dtype=torch.int64)
+    g = torch.Generator().manual_seed(5)
+    b = len(rows)
+    q = torch.randn(b, heads, dim, generator=g).to(q_dtype)
+    k = torch.randn(b, kv_heads, dim, generator=g).to(q_dtype)
+    v = torch.randn(b, kv_heads, dim, generator=g).to(q_dtype)
+    return q, k, v, kc, vc, table[rows, seq - 1].to(torch.int64), table, rows, seq
+
+
+@pytest.mark.parametrize("isa", EVERY)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (2, 1, 80)])
+def test_verify_rows_of_one_request_attend_each_to_its_own_length(dtype: torch.dtype, tol: float, heads: int,
+                                                                   kv_heads: int, dim: int, isa: str) -> None:
+    """A request's verify rows share one request row: each sees exactly the context up to its own position, its own
+    K/V and the drafts before it (all rows' K/V are written before any attends), as a lone decode row would."""
+    # 8 rows of one request alone, then mixed: single rows, runs of 3 and 5, one run crossing a 16-key block.
+    for layout in ([list(range(30, 38))], [[9], [20, 21, 22], [1], [60, 61, 62, 63, 64], [15, 16, 17]]):
+        q, k, v, kc, vc, slots, table, rows, seq = _verify_rows(layout, dtype, heads, kv_heads, dim)
+        kc2, vc2 = kc.clone(), vc.clone()
+        got = torch.ops.ember.decode_attention_isa(q, k, v, kc, vc, slots, table, rows, seq, 0.17, isa)
+        want = attention.reference_decode_attention(q, k, v, kc2, vc2, slots, table, rows, seq, 0.17)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        # and each row alone (its own K/V and the earlier rows' already in the cache) gives the same output
+        for i in range(len(rows)):
+            one = torch.ops.ember.decode_attention_isa(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc, slots[i:i + 1],
+                                                       table, rows[i:i + 1], seq[i:i + 1], 0.17, isa)
+            torch.testing.assert_close(one.float(), got[i:i + 1].float(), atol=tol, rtol=tol)
+
+
 def test_decode_attention_equals_dense_sdpa() -> None:
     q, k, v, kc, vc, slots, table, rows, seq = _setup(torch.float32, [5, 33])
     got = torch.ops.ember.decode_attention(q, k, v, kc, vc, slots, table, rows, seq, 32**-0.5)
