@@ -14,13 +14,14 @@ The KV buffers' slot dimension (dim 0 of every k/v cache) is compiled symbolic: 
 with a static size and one saved step runs on a pool of any size. The pool is sized from the memory free at start
 (engine/model_runner.py size_kv_pool), so a static slot count would make every restart compile afresh.
 
-With `background=True` the engine serves before every bucket is compiled: saved steps load at once, the others
-compile largest first and each is swapped in as it becomes ready. Until then a batch runs in the smallest ready bucket
-that holds it, or eagerly. Every path computes the same tokens (tests/test_decode_graphs.py). Where the buckets
-compile: given `spawn_child` (the runner passes one when there is a folder of saved steps), in a child process at the
-lowest CPU priority (engine/compile_child.py) whose saved steps a thread here loads as each one is announced; a compile
-in this process would hold its GIL and both cores, and serving barely moved (0.8 tok/s a client against 70-86). If
-the child cannot start, fails or dies, the buckets it did not deliver compile in that thread, in this process.
+With `background=True` the engine serves before every bucket is compiled: the largest saved step loads at once, the
+other saved steps load in the background, the rest compile largest first, and each is swapped in as it becomes
+ready. Until then a batch runs in the smallest ready bucket that holds it, or eagerly. Every path computes the same
+tokens (tests/test_decode_graphs.py). Where the buckets compile: given `spawn_child` (the runner passes one when
+there is a folder of saved steps), in a child process at the lowest CPU priority (engine/compile_child.py) whose
+saved steps a thread here loads as each one is announced; a compile in this process would hold its GIL and both
+cores, and serving barely moved (0.8 tok/s a client against 70-86). If the child cannot start, fails or dies, the
+buckets it did not deliver compile in that thread, in this process.
 """
 from __future__ import annotations
 
@@ -137,9 +138,10 @@ class DecodeGraphs:
                 spawn_child: Callable[[list[int]], CompileChild] | None = None) -> None:
         """Make every bucket runnable, largest first (the largest sets the memory high-water mark early).
 
-        background: return once the saved steps are loaded and compile the rest in the background (`compile_finished`
-        is set when the last bucket is in). spawn_child(buckets): a child process that compiles those buckets into
-        `artifact_dir` (engine/compile_child.py); without one, or when it fails, they compile in a thread here."""
+        background: return once the largest saved step is loaded; load the other saved steps and compile the rest in
+        the background (`compile_finished` is set when the last bucket is in). spawn_child(buckets): a child process
+        that compiles those buckets into `artifact_dir` (engine/compile_child.py); without one, or when it fails, they
+        compile in a thread here."""
         if self.compiled:
             # Imported here, not at the top: dynamo alone takes ~1.7 s to import, which an eager run never needs.
             import torch._dynamo
@@ -156,21 +158,42 @@ class DecodeGraphs:
         pools = (req_to_token, k_caches, v_caches)
         if background and self.compiled:
             saved = [bs for bs in order if self._saved_path(bs) is not None]
-            for bs in saved:
-                self._make_ready(bs, pools, on_bucket)
-            left = [bs for bs in order if bs not in self.fns]
-            if left:
-                where = "a child process" if spawn_child is not None else "a thread"
-                log.info("serving now; decode buckets %s compile in the background in %s, largest first", left, where)
-                target, args = ((self._compile_in_child, (spawn_child, left, pools, on_bucket)) if spawn_child
-                                else (self._compile_all, (left, pools, on_bucket)))
-                self._thread = threading.Thread(target=target, args=args, name="ember-compile", daemon=True)
+            if saved:  # the largest saved step now: from here on every batch runs compiled, padded if need be
+                self._make_ready(saved[0], pools, on_bucket)
+            later, left = saved[1:], [bs for bs in order if bs not in saved]
+            if later or left:
+                if later:
+                    log.info("serving now; saved decode buckets %s load in the background", later)
+                if left:
+                    where = "a child process" if spawn_child is not None else "a thread"
+                    log.info("serving now; decode buckets %s compile in the background in %s, largest first", left,
+                             where)
+                self._thread = threading.Thread(target=self._finish, args=(later, left, spawn_child, pools, on_bucket),
+                                                name="ember-compile", daemon=True)
                 self._thread.start()
                 return
         else:
             for bs in order:
                 self._make_ready(bs, pools, on_bucket)
         self.compile_finished.set()
+
+    def _finish(self, later: list[int], left: list[int], spawn_child: Callable[[list[int]], CompileChild] | None,
+                pools: tuple, on_bucket: Callable[[int, float], None] | None) -> None:
+        """The background part of a start: load the other saved steps (each ~0.6 s, so a warm restart answers /health
+        seconds sooner), then compile the buckets without one."""
+        try:
+            for bs in later:
+                if self._stop.is_set():
+                    break
+                self._make_ready(bs, pools, on_bucket)
+        except Exception:  # the buckets still missing run in a larger ready bucket
+            log.exception("loading saved decode buckets in the background failed")
+        if self._stop.is_set() or not left:
+            self.compile_finished.set()
+        elif spawn_child is not None:
+            self._compile_in_child(spawn_child, left, pools, on_bucket)
+        else:
+            self._compile_all(left, pools, on_bucket)
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop compiling (engine shutdown): a compile child is ended at once, a compile thread after its bucket."""
@@ -230,7 +253,8 @@ class DecodeGraphs:
                 self._make_ready(bs, pools, on_bucket)
             log.info("all decode buckets ready: %s", self.ready_buckets)
         except Exception:  # serving goes on with the buckets that are ready (and eager steps for the rest)
-            log.exception("compiling decode buckets in the background failed; batches without a ready bucket run eagerly")
+            log.exception("compiling decode buckets in the background failed; "
+                          "batches without a ready bucket run eagerly")
         finally:
             self.compile_finished.set()
 

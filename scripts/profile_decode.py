@@ -2,7 +2,7 @@
 against the machine's read bandwidth, and a torch.profiler breakdown.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/profile_decode.py [MODEL] [--batch 1] [--threads 2]
-        [--eager] [--context 128] [--steps 20] [--compile-cache-dir DIR]
+        [--eager] [--context 128] [--steps 20] [--compile-cache-dir DIR] [--shapes]
 
 MODEL: a GGUF file or HF folder (default: the embedded model). Random prompts of --context tokens are prefilled,
 then --steps decode steps timed (every step rewrites the same slots: fine for timing), then 10 profiled.
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile-cache-dir", default=None)
     ap.add_argument("--rows", type=int, default=15, help="rows of the profiler table")
+    ap.add_argument("--shapes", action="store_true", help="the profiler table by op and input shapes")
     a = ap.parse_args()
     bs = a.batch
     cfg = EngineConfig(model=a.model, max_total_tokens=bs * (a.context + 64), max_running_requests=bs,
@@ -81,10 +82,10 @@ def main() -> None:
     print(f"batch {bs}, {'eager' if a.eager else 'compiled'}, threads {torch.get_num_threads()}: step median "
           f"{med * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), {bs / med:.1f} tok/s; weights {wbytes / 2**20:.0f} MiB "
           f"-> {wbytes / med / 1e9:.1f} GB/s, read bandwidth {bw:.1f} GB/s ({wbytes / med / 1e9 / bw:.0%})")
-    with profile() as prof:
+    with profile(record_shapes=a.shapes) as prof:
         for i in range(10):
             step(i)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
+    print(prof.key_averages(group_by_input_shape=a.shapes).table(sort_by="self_cpu_time_total", row_limit=a.rows))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,37 @@ def test_saved_bucket_loads_at_once_and_serves_smaller_batches(make_tiny_model: 
     assert graphs.steps_per_bucket[1] == 5
 
 
+def test_a_warm_start_loads_the_largest_saved_step_then_the_rest_in_the_background(
+        make_tiny_model: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step saved: capture returns once the largest is loaded (every batch runs compiled, padded), the others
+    load in the background, nothing compiles, and each takes over its batches when in."""
+    folder = make_tiny_model("llama")
+    want = ManualBatch(make_runner(folder, compile=False), PROMPTS[:1]).decode(8)
+    torch._dynamo.reset()
+    _runner(folder, (1, 2, 4), tmp_path, background=False)  # saves all three steps
+    opened = threading.Event()
+    original = DecodeGraphs._finish
+
+    def gated(self: DecodeGraphs, *args: object) -> None:
+        assert opened.wait(600), "the test never opened the gate"
+        original(self, *args)
+
+    monkeypatch.setattr(DecodeGraphs, "_finish", gated)
+    torch._dynamo.reset()
+    runner = _runner(folder, (1, 2, 4), tmp_path, background=True)
+    graphs = runner.graphs
+    assert graphs.ready_buckets == [4] and not graphs.compile_finished.is_set()
+    batch = ManualBatch(runner, PROMPTS[:1])
+    batch.decode(3)
+    assert graphs.steps_per_bucket[4] == 3 and graphs.steps_per_bucket[EAGER] == 0  # one row, padded to 4
+    opened.set()
+    assert graphs.compile_finished.wait(600)
+    assert graphs.ready_buckets == [1, 2, 4]
+    assert all(graphs.outcomes[b].startswith("loaded") for b in (1, 2, 4)), graphs.outcomes
+    assert batch.decode(5) == want
+    assert graphs.steps_per_bucket[1] == 5
+
+
 def test_stop_ends_the_background_compile(make_tiny_model: Callable[..., Path], gate: threading.Event) -> None:
     torch._dynamo.reset()
     runner = _runner(make_tiny_model("llama"), (1, 2, 4), None, background=True)
