@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Time an `ember serve` start: seconds from launch to /health 200, and to the first streamed token.
 
-    scripts/startup_time.py [--port 18123] -- [ember serve flags...]
+    scripts/startup_time.py [--port 18123] [--all-buckets] -- [ember serve flags...]
 
 Starts `ember serve` (the one next to this Python) with the given flags, polls /health, then streams one chat
 completion and stops the server with SIGTERM. Prints one JSON line; the server's log goes to stderr. Run it
-twice with the same --compile-cache-dir to compare a cold cache with a warm one.
+twice with the same --compile-cache-dir to compare a cold cache with a warm one. --all-buckets: before stopping,
+also wait until /get_server_info lists every decode bucket as compiled (loaded or compiled in the background).
 """
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def _health(base: str) -> int:
         return 0  # not listening yet
 
 
+def _all_buckets_s(base: str, t0: float, deadline: float) -> float:
+    """Seconds from launch until every configured decode bucket is ready (-1 on timeout)."""
+    while time.perf_counter() - t0 < deadline:
+        with urllib.request.urlopen(f"{base}/get_server_info", timeout=10) as r:
+            info = json.load(r)
+        if not info["compiled"] or set(info["decode_buckets"]) <= set(info["compiled_buckets"]):
+            return time.perf_counter() - t0
+        time.sleep(POLL_S)  # the buckets load in the server's background: polling its API is all there is
+    return -1.0
+
+
 def _first_token_s(base: str, t0: float) -> tuple[float, str]:
     body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 16, "temperature": 0, "stream": True}).encode()
@@ -54,6 +66,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--port", type=int, default=18123)
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    p.add_argument("--all-buckets", action="store_true", help="also time until every decode bucket is ready")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="flags for ember serve (after --)")
     a = p.parse_args()
     flags = [x for x in a.serve_args if x != "--"]
@@ -72,11 +85,14 @@ def main() -> int:
             time.sleep(POLL_S)  # polling an external process: there is nothing to wait on but its socket
         healthy = time.perf_counter() - t0
         first, text = _first_token_s(base, t0)
+        buckets = _all_buckets_s(base, t0, a.timeout) if a.all_buckets else None
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
-    print(json.dumps({"health_200_s": round(healthy, 1), "first_token_s": round(first, 1), "text": text,
-                      "exit_code": code}))
+    out = {"health_200_s": round(healthy, 1), "first_token_s": round(first, 1), "text": text, "exit_code": code}
+    if buckets is not None:
+        out["all_buckets_s"] = round(buckets, 1)
+    print(json.dumps(out))
     return 0
 
 
