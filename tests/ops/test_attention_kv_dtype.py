@@ -70,7 +70,8 @@ def test_fp8_rows_keep_three_mantissa_bits() -> None:
 @pytest.mark.parametrize("kv", SCALED)
 @pytest.mark.parametrize("isa", EVERY)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 128), (6, 2, 48), (2, 1, 80)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 128), (6, 2, 48), (2, 1, 80),
+                                                (32, 2, 64), (8, 1, 128)])
 def test_native_q8_decode_matches_reference(dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int,
                                             isa: str, kv: torch.dtype) -> None:
     # The same head sizes as the unquantized test: vector kernels for 32/64/80/128, 48 portable on AVX-512.

@@ -127,7 +127,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qrow[d]) * fscale;
       }
       if (fast != nullptr) {
-        scores.resize(G * ((L + 15) / 16 * 16) + G);
+        scores.resize(G * ((L + 15) / 16 * 16) + G + G * D);
         fast(qf.data(), G, kraw, vraw, slots, L, KVH * R, kh, scores.data(), acc.data());
       } else {
         attend_scalar<C>(qf.data(), G, D, kp, vp, slots, L, KVH, kh, scores, kv_row.data(), acc.data());

@@ -28,7 +28,7 @@ inline float q8_scale(const T* row, int64_t D) {
 // One request and one KV head: the G query heads sharing that KV head attend over its L positions.
 // qf: [G, D] fp32, pre-scaled. k/v: the layer's cache, row of (slot, kv head kh) at
 // (slot * kv_stride + kh * (D + row_extra<T>())).
-// scores: scratch of G * round_up(L, 16) + G floats. out: [G, D] fp32, normalised.
+// scores: scratch of G * round_up(L, 16) + G + G * D floats. out: [G, D] fp32, normalised.
 template <typename T>
 using AttendOne = void (*)(const float* qf, int64_t G, const T* k, const T* v, const int32_t* slots, int64_t L,
                            int64_t kv_stride, int64_t kh, float* scores, float* out);

@@ -1,0 +1,92 @@
+"""Microseconds per layer of `ember::decode_attention` at the shapes of the models Ember serves, and the KV bytes
+per second that makes, on each ISA tier this CPU runs.
+
+Each shape gets one KV pool per layer (so a step's K/V come from memory, as in a model, not from the cache a single
+layer would stay in), laid out as a server fills it: each request's prompt in consecutive slots, then its decoded
+tokens interleaved with its batch mates'. The op runs once per layer and the median over `--reps` passes is printed.
+Compare kernels by running this on two trees in turn (attention is KV-bandwidth and compute bound, and the
+bandwidth of a shared machine drifts: alternate, do not compare across hours).
+
+  python scripts/bench_attention.py                       # the default shapes, the active tier, 2 threads
+  python scripts/bench_attention.py --isa avx2 --context 1024 4096 --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+import engine.ops.attention  # noqa: F401 - registers ember::decode_attention
+from engine.ops.native import active_isa, forced_isa
+
+# name: (query heads, KV heads, head size, layers)
+SHAPES = {"smollm2": (9, 3, 64, 30), "llama1b": (32, 8, 64, 16), "llama3b": (24, 8, 128, 28),
+          "llama8b": (32, 8, 128, 32)}
+
+
+def pool(batch: int, context: int, kv_heads: int, dim: int, layers: int, dtype: torch.dtype):
+    """K/V caches per layer and the request-to-token table of `batch` requests of `context` positions."""
+    decoded = min(64, context - 1)
+    runs, nxt = [], 1  # slot 0 is the padding slot
+    for _ in range(batch):
+        runs.append(list(range(nxt, nxt + context - decoded)))
+        nxt += context - decoded
+    for _ in range(decoded):
+        for r in runs:
+            r.append(nxt)
+            nxt += 1
+    table = torch.zeros(batch + 1, context + 8, dtype=torch.int32)
+    for b, r in enumerate(runs):
+        table[b + 1, :context] = torch.tensor(r, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(nxt, kv_heads, dim, generator=gen).to(dtype),
+               torch.randn(nxt, kv_heads, dim, generator=gen).to(dtype)) for _ in range(layers)]
+    return caches, table
+
+
+def bench(name: str, batch: int, context: int, reps: int, dtype: torch.dtype) -> tuple[float, float]:
+    heads, kv_heads, dim, layers = SHAPES[name]
+    caches, table = pool(batch, context, kv_heads, dim, layers, dtype)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(batch, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    out_slots = table[1:, context - 1].long()
+    rows, lens = torch.arange(1, batch + 1), torch.full((batch,), context)
+    op = torch.ops.ember.decode_attention
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for kc, vc in caches:
+            op(q, k, v, kc, vc, out_slots, table, rows, lens, dim ** -0.5)
+        times.append((time.perf_counter() - t0) / layers)
+    sec = statistics.median(times)
+    return sec, batch * context * kv_heads * dim * 2 * dtype.itemsize / sec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--isa", default=None, help="force a lower tier (avx2, avx512, scalar); default: the active one")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    dtype = getattr(torch, a.dtype)
+    with forced_isa(a.isa) if a.isa else contextlib.nullcontext():
+        print(f"tier {active_isa()}, {a.threads} threads, {a.dtype} KV")
+        print("| shape | batch | context | us / layer | KV GB/s |")
+        print("| --- | --- | --- | --- | --- |")
+        for name in a.shapes:
+            for batch in a.batch:
+                for context in a.context:
+                    sec, rate = bench(name, batch, context, a.reps, dtype)
+                    print(f"| {name} | {batch} | {context} | {sec * 1e6:.1f} | {rate / 1e9:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
