@@ -70,19 +70,23 @@ def test_verify_rows_of_one_request_attend_each_to_its_own_length(dtype: torch.d
                                                                    kv_heads: int, dim: int, isa: str) -> None:
     """A request's verify rows share one request row: each sees exactly the context up to its own position, its own
     K/V and the drafts before it (all rows' K/V are written before any attends), as a lone decode row would."""
-    # 8 rows of one request alone, then mixed: single rows, runs of 3 and 5, one run crossing a 16-key block.
-    for layout in ([list(range(30, 38))], [[9], [20, 21, 22], [1], [60, 61, 62, 63, 64], [15, 16, 17]]):
+    # 8 rows of one request alone, then mixed: single rows, runs of 3 and 5, one run crossing a 16-key block; then
+    # 8 rows of 9 query heads each (72 heads attended together, more than one group of dot vectors).
+    for layout in ([list(range(30, 38))], [[9], [20, 21, 22], [1], [60, 61, 62, 63, 64], [15, 16, 17]],
+                   [list(range(100, 108)), [40, 41]]):
         q, k, v, kc, vc, slots, table, rows, seq = _verify_rows(layout, dtype, heads, kv_heads, dim)
         kc2, vc2 = kc.clone(), vc.clone()
         got = torch.ops.ember.decode_attention_isa(q, k, v, kc, vc, slots, table, rows, seq, 0.17, isa)
         want = attention.reference_decode_attention(q, k, v, kc2, vc2, slots, table, rows, seq, 0.17)
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-        # and each row alone (its own K/V and the earlier rows' already in the cache) gives the same output
+        # and each row alone (its own K/V and the earlier rows' already in the cache) gives the same output, to the
+        # bit: a verify row's attention is the one decode would compute at its position
         for i in range(len(rows)):
             one = torch.ops.ember.decode_attention_isa(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc, slots[i:i + 1],
                                                        table, rows[i:i + 1], seq[i:i + 1], 0.17, isa)
-            torch.testing.assert_close(one.float(), got[i:i + 1].float(), atol=tol, rtol=tol)
+            assert torch.equal(one, got[i:i + 1]), f"row {i} of {layout}"
+
 
 
 def test_decode_attention_equals_dense_sdpa() -> None:
