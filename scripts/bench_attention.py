@@ -27,7 +27,8 @@ SHAPES = {"smollm2": (9, 3, 64, 30), "llama1b": (32, 8, 64, 16), "llama3b": (24,
           "llama8b": (32, 8, 128, 32)}
 
 
-def pool(batch: int, context: int, kv_heads: int, dim: int, layers: int, dtype: torch.dtype):
+def pool(batch: int, context: int, kv_heads: int, dim: int, layers: int,
+         dtype: torch.dtype) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """K/V caches per layer and the request-to-token table of `batch` requests of `context` positions."""
     decoded = min(64, context - 1)
     runs, nxt = [], 1  # slot 0 is the padding slot

@@ -71,7 +71,7 @@ def test_verify_rows_of_one_request_attend_each_to_its_own_length(dtype: torch.d
     """A request's verify rows share one request row: each sees exactly the context up to its own position, its own
     K/V and the drafts before it (all rows' K/V are written before any attends), as a lone decode row would."""
     # 8 rows of one request alone, then mixed: single rows, runs of 3 and 5, one run crossing a 16-key block; then
-    # 8 rows of 9 query heads each (72 heads attended together, more than one group of dot vectors).
+    # 8 rows past 100 positions beside a run of 2.
     for layout in ([list(range(30, 38))], [[9], [20, 21, 22], [1], [60, 61, 62, 63, 64], [15, 16, 17]],
                    [list(range(100, 108)), [40, 41]]):
         q, k, v, kc, vc, slots, table, rows, seq = _verify_rows(layout, dtype, heads, kv_heads, dim)
