@@ -32,10 +32,12 @@ inline void prefetch_row(const T* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T1);
 }
 
-// Rows 0 .. ahead - 1 of a stream (the loop then prefetches row l + ahead as it reaches row l).
-template <typename T, typename Row>
-inline void prefetch_start(const Row& row, const T* base, int64_t offset, int64_t bytes, int64_t ahead, int64_t L) {
-  for (int64_t l = 0; l < min64(ahead, L); ++l) prefetch_row(row(base, l) + offset, bytes);
+// `bytes` from each of rows 0 .. ahead - 1 of a stream at base + slot * stride (the loop then prefetches row
+// l + ahead as it reaches row l).
+template <typename T>
+inline void prefetch_start(const T* base, const int32_t* slots, int64_t stride, int64_t bytes, int64_t ahead,
+                           int64_t L) {
+  for (int64_t l = 0; l < min64(ahead, L); ++l) prefetch_row(base + static_cast<int64_t>(slots[l]) * stride, bytes);
 }
 
 template <typename T>
@@ -92,20 +94,20 @@ struct AttentionBody {
     for (int64_t g = 0; g < G; ++g)
       for (int c = 0; c < NC; ++c)
         for (int i = 0; i < W; ++i) q[g * D + c * W + i] = qf[g * D + element<NC, T>(c, i)];
-    auto row = [&](const T* base, int64_t l) {
-      return base + static_cast<int64_t>(slots[l]) * kv_stride + kh * (D + kQ8);
-    };
+    const T* kbase = kp + kh * (D + kQ8);  // this KV head's row of slot 0; slot s's is kv_stride * s further
+    const T* vbase = vp + kh * (D + kQ8);
+    auto key = [&](int64_t l) { return kbase + static_cast<int64_t>(slots[l]) * kv_stride; };
 
     F dots[kHeadGroup][W];
     float kscale[W];
-    prefetch_start(row, kp, 0, RB, kAhead, L);
+    prefetch_start(kbase, slots, kv_stride, RB, kAhead, L);
     for (int64_t g0 = 0; g0 < G; g0 += kHeadGroup) {  // scores = q . k
       const int64_t gn = min64(kHeadGroup, G - g0);
       for (int64_t l0 = 0; l0 < L; l0 += W) {
         const int64_t n = min64(W, L - l0);
         for (int64_t j = 0; j < n; ++j) {
-          const T* kr = row(kp, l0 + j);
-          if (l0 + j + kAhead < L) prefetch_row(row(kp, l0 + j + kAhead), RB);
+          const T* kr = key(l0 + j);
+          if (l0 + j + kAhead < L) prefetch_row(key(l0 + j + kAhead), RB);
           if constexpr (kQ8 != 0) kscale[j] = ember::q8_scale(kr, D);
           for (int c0 = 0; c0 < NC; c0 += CQ) {
             F x[CQ];
@@ -145,29 +147,29 @@ struct AttentionBody {
     }
     // out = probs . V: CV chunks of up to GV heads at a time, their accumulators in registers; a pass reads only its
     // chunks' bytes of each row (a bf16 row of 128 elements is four cache lines, a pass of 4 chunks two of them).
-    const T* vbase = vp + kh * (D + kQ8);
-    for (int c0 = 0; c0 < NC; c0 += CV) {
-      prefetch_start(row, vp, kQ8 != 0 ? 0 : c0 * W, kQ8 != 0 ? RB : CV * W * int64_t(sizeof(T)), kAhead, L);
+    for (int c0 = 0; c0 < NC; c0 += CV)
       for (int64_t g0 = 0; g0 < G; g0 += GV)
         values<NC, CV, GV, T>(min64(GV, G - g0), scores + g0 * Lp, Lp, inv + g0, vbase, slots, L, kv_stride, c0,
-                              out + g0 * D);
-    }
+                              g0 == 0, out + g0 * D);
   }
 
   // One pass of probs . V: chunks c0 .. c0 + CV of GN heads' outputs (GN <= GMAX picked at run time, so that every
   // pass has its accumulators in registers: a run-time head count makes the compiler keep them on the stack).
+  // first: the first head group of these chunks, which starts their prefetch stream.
   template <int NC, int CV, int GMAX, typename T>
   static void values(int64_t gn, const float* probs, int64_t Lp, const float* inv, const T* vbase,
-                     const int32_t* slots, int64_t L, int64_t kv_stride, int c0, float* out) {
+                     const int32_t* slots, int64_t L, int64_t kv_stride, int c0, bool first, float* out) {
     if constexpr (GMAX > 1) {
-      if (gn < GMAX) return values<NC, CV, GMAX - 1, T>(gn, probs, Lp, inv, vbase, slots, L, kv_stride, c0, out);
+      if (gn < GMAX)
+        return values<NC, CV, GMAX - 1, T>(gn, probs, Lp, inv, vbase, slots, L, kv_stride, c0, first, out);
     }
     constexpr int GN = GMAX;
     constexpr int64_t D = NC * W;
     constexpr int64_t kQ8 = ember::row_extra<T>();
     constexpr int64_t kPassBytes = kQ8 != 0 ? (D + kQ8) * int64_t(sizeof(T)) : CV * W * int64_t(sizeof(T));
     constexpr int64_t kAhead = kAheadBytes / ((D + kQ8) * int64_t(sizeof(T)));
-    const T* pass = vbase + (kQ8 != 0 ? 0 : c0 * W);
+    const T* pass = vbase + (kQ8 != 0 ? 0 : c0 * W);  // where this pass's bytes of a row start
+    if (first) prefetch_start(pass, slots, kv_stride, kPassBytes, kAhead, L);
     F acc[GN][CV];
     for (int g = 0; g < GN; ++g)
       for (int c = 0; c < CV; ++c) acc[g][c] = V::zero();
