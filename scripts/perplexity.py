@@ -76,7 +76,7 @@ def scored_logits(path: Path, ids: list[int], quantization: str, dtype: str, ctx
         for start, end in zip(bounds, bounds[1:]):
             # One request in row 0 whose slot for position p is p (an identity table).
             part = PrefillChunk(0, start, chunk[start:end].tolist(), torch.arange(start, end))
-            batch = ForwardBatch.prefill([part]).with_table(torch.arange(ctx).unsqueeze(0))
+            batch = ForwardBatch.prefill([part]).with_table(torch.arange(ctx, dtype=torch.int32).unsqueeze(0))
             rows = torch.arange(max(first, start), min(end, ctx - 1))
             if not len(rows):  # the fill: only its last row's logits are computed, and dropped
                 model(batch, k, v)

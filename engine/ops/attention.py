@@ -60,7 +60,7 @@ if not NATIVE_DECODE_ATTENTION:
     torch.library.custom_op("ember::decode_attention", mutates_args=("k_cache", "v_cache"))(reference_decode_attention)
 
 
-def prefill_attention(
+def reference_prefill_attention(
     q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
@@ -110,7 +110,34 @@ def prefill_attention(
     return out
 
 
-# Registered as an op for graphs that would trace prefill; the eager prefill (engine/forward_batch.py ForwardBatch.attend) calls the
-# function itself: through the dispatcher, a Python custom op's first call imports dynamo (~1.3 s of a short
-# `ember generate`), and every call pays the op's Python dispatch.
-torch.library.custom_op("ember::prefill_attention", mutates_args=("k_cache", "v_cache"))(prefill_attention)
+# Without the C++ ops, the reference is registered as the op for graphs that would trace prefill (the C++ library
+# defines it otherwise); the eager prefill calls `prefill_attention` below, never the Python op: through the
+# dispatcher, a Python custom op's first call imports dynamo (~1.3 s of a short `ember generate`).
+if not NATIVE_OPS:
+    torch.library.custom_op("ember::prefill_attention", mutates_args=("k_cache", "v_cache"))(reference_prefill_attention)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    prefill_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The eager prefill's attention: the C++ flash kernel (engine/ops/csrc/attention/prefill_attention.cpp) where the
+    active tier has one for this head size, else the SDPA reference (the scalar tier, EMBER_NATIVE_OPS=0).
+
+    The kernel reads a chunk's own K/V back from the cache it just wrote, as it reads the prefix: with a cache of
+    another dtype than q (--kv-cache-dtype) the chunk attends the rounded values later steps read, where the
+    reference attends q's own; with int8 / fp8 both attend the stored values."""
+    if NATIVE_OPS and torch.ops.ember.prefill_kernel_ready(q.shape[-1]):
+        return torch.ops.ember.prefill_attention(q, k, v, k_cache, v_cache, out_slots, req_to_token, req_rows,
+                                                 prefix_lens, prefill_lens, scale)
+    return reference_prefill_attention(q, k, v, k_cache, v_cache, out_slots, req_to_token, req_rows, prefix_lens,
+                                       prefill_lens, scale)

@@ -112,7 +112,7 @@ def test_prefill_attention_is_causal_over_prefix() -> None:
         kc, vc = torch.zeros(n + 1, kvh, dim), torch.zeros(n + 1, kvh, dim)
         outs = []
         for start, end in spans:
-            outs.append(torch.ops.ember.prefill_attention(
+            outs.append(attention.prefill_attention(
                 q[start:end], k[start:end], v[start:end], kc, vc, torch.arange(start + 1, end + 1), table, rows,
                 torch.tensor([start]), torch.tensor([end - start]), 0.25))
         return torch.cat(outs)

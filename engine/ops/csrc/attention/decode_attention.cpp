@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "attention/decode_attention.h"
-#include "attention/kv_write.h"
+#include "attention/kv_types.h"
 #include "common/cpu_isa.h"
 
 namespace ember {
@@ -30,9 +30,6 @@ namespace {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
-// The 1-byte caches with a scale per row: int8 and fp8 e4m3 (decode_attention.h, engine/ops/kv_quant.py).
-template <typename C>
-constexpr bool kScaled = std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn>;
 template <typename C>
 constexpr int64_t extra() { return kScaled<C> ? kQ8ScaleBytes : 0; }  // row_extra of c10's types
 template <typename C>
@@ -108,10 +105,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const auto fast = vector_kernel<C>(isa, D);
-  // The kernels see c10's types as the layout-identical Bf16 / Half / Fp8E4M3 of common/dtypes.h.
-  using Raw = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, int8_t>, C,
-              std::conditional_t<std::is_same_v<C, c10::BFloat16>, Bf16,
-              std::conditional_t<std::is_same_v<C, c10::Half>, Half, Fp8E4M3>>>;
+  using Raw = RawOf<C>;
   const Raw* kraw = reinterpret_cast<const Raw*>(kp);
   const Raw* vraw = reinterpret_cast<const Raw*>(vp);
 
@@ -143,51 +137,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                const at::Tensor& out_slots, const at::Tensor& req_to_token, const at::Tensor& req_rows,
                const at::Tensor& seq_lens, double scale, Isa isa) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [B, heads, head_dim]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV caches must be contiguous");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt, "req_to_token must be int32");
+  check_kv(q, k, v, k_cache, v_cache, req_to_token);
   TORCH_CHECK(out_slots.scalar_type() == at::kLong && req_rows.scalar_type() == at::kLong &&
               seq_lens.scalar_type() == at::kLong, "slots, rows and lengths must be int64");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
-  // int8 and fp8 caches (their dtype is the only flag) have rows of head_dim + 4 bytes, the scale last
-  const bool q8 = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches must share a dtype");
-  TORCH_CHECK(k_cache.size(2) == q.size(2) + (q8 ? kQ8ScaleBytes : 0),
-              "KV cache rows must be head_dim long, or head_dim + 4 bytes for int8 (the scale)");
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const at::Tensor slots = out_slots.contiguous(), rows = req_rows.contiguous(), lens = seq_lens.contiguous();
   const at::Tensor table = req_to_token.contiguous();
   at::Tensor out = at::empty_like(qc);
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    auto with_cache = [&](auto cache_tag) {  // the cache's storage type, which --kv-cache-dtype picks
-      using C = decltype(cache_tag);
-      if constexpr (kScaled<C>) {
-        write_kv_scaled<T, C>(kc, k_cache, sp, slots.numel());
-        write_kv_scaled<T, C>(vc, v_cache, sp, slots.numel());
-      } else {
-        write_kv<T, C>(kc, k_cache, sp, slots.numel());
-        write_kv<T, C>(vc, v_cache, sp, slots.numel());
-      }
-      attend<T, C>(qc, k_cache, v_cache, table, rows, lens, out, scale, isa);
-    };
-    switch (k_cache.scalar_type()) {
-      case at::kChar: with_cache(int8_t{}); break;
-      case at::kFloat8_e4m3fn: with_cache(c10::Float8_e4m3fn{}); break;
-      case at::kFloat: with_cache(float{}); break;
-      case at::kBFloat16: with_cache(c10::BFloat16{}); break;
-      case at::kHalf: with_cache(c10::Half{}); break;
-      default: TORCH_CHECK(false, "KV caches are float32, bfloat16, float16, int8 or float8_e4m3fn, got ",
-                           k_cache.scalar_type());
-    }
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "decode_attention supports float32, bfloat16 and float16, got ", q.scalar_type());
-  }
+  with_kv_types(qc, kc, vc, k_cache, v_cache, slots.data_ptr<int64_t>(), slots.numel(), "decode_attention",
+                [&](auto t, auto c) {
+                  attend<decltype(t), decltype(c)>(qc, k_cache, v_cache, table, rows, lens, out, scale, isa);
+                });
   return out;
 }
 

@@ -37,6 +37,9 @@ struct Avx2 {
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F le_select(F a, F b, F x, F y) {  // per lane: a <= b ? x : y
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LE_OQ));
+  }
 
   // W packed (column, input pair) bf16 values, 2W uint16, as fp32: `even` holds the first input of each pair.
   static void load_pairs(const uint16_t* p, F& even, F& odd) {

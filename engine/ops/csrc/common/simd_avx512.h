@@ -42,6 +42,9 @@ struct Avx512 {
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F le_select(F a, F b, F x, F y) {  // per lane: a <= b ? x : y
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), y, x);
+  }
 
   static void load_pairs(const uint16_t* p, F& even, F& odd) {
     const __m512i v = _mm512_loadu_si512(p);

@@ -1,0 +1,76 @@
+// The activation and KV cache types the attention drivers (decode_attention.cpp, prefill_attention.cpp) accept, and
+// the one dispatch over them: writing this step's K/V into the cache and handing the kernels their raw layout types.
+// ISA: none.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <type_traits>
+
+#include "attention/decode_attention.h"
+#include "attention/kv_write.h"
+
+namespace ember {
+
+// The 1-byte caches with a scale per row: int8 and fp8 e4m3 (decode_attention.h, engine/ops/kv_quant.py).
+template <typename C>
+constexpr bool kScaled = std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn>;
+
+// The kernels see c10's types as the layout-identical Bf16 / Half / Fp8E4M3 of common/dtypes.h.
+template <typename C>
+using RawOf = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, int8_t>, C,
+              std::conditional_t<std::is_same_v<C, c10::BFloat16>, Bf16,
+              std::conditional_t<std::is_same_v<C, c10::Half>, Half, Fp8E4M3>>>;
+
+// fn(T{}, C{}) with T the activations' type (q's) and C the cache's storage type (--kv-cache-dtype), after writing
+// k and v (T, [n, kv_heads, D]) into the caches at `slots` (quantized for an int8 / fp8 cache, converted for another
+// float type).
+template <typename Fn>
+void with_kv_types(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const int64_t* slots, int64_t n, const char* op, const Fn& fn) {
+  auto for_q = [&](auto tag) {
+    using T = decltype(tag);
+    auto for_cache = [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      if constexpr (kScaled<C>) {
+        write_kv_scaled<T, C>(k, k_cache, slots, n);
+        write_kv_scaled<T, C>(v, v_cache, slots, n);
+      } else {
+        write_kv<T, C>(k, k_cache, slots, n);
+        write_kv<T, C>(v, v_cache, slots, n);
+      }
+      fn(T{}, C{});
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kChar: for_cache(int8_t{}); break;
+      case at::kFloat8_e4m3fn: for_cache(c10::Float8_e4m3fn{}); break;
+      case at::kFloat: for_cache(float{}); break;
+      case at::kBFloat16: for_cache(c10::BFloat16{}); break;
+      case at::kHalf: for_cache(c10::Half{}); break;
+      default: TORCH_CHECK(false, "KV caches are float32, bfloat16, float16, int8 or float8_e4m3fn, got ",
+                           k_cache.scalar_type());
+    }
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: for_q(float{}); break;
+    case at::kBFloat16: for_q(c10::BFloat16{}); break;
+    case at::kHalf: for_q(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, " supports float32, bfloat16 and float16, got ", q.scalar_type());
+  }
+}
+
+// The checks both attention ops make of their tensors; an int8 or fp8 cache (its dtype is the only flag) has rows of
+// head_dim + 4 bytes, the scale last.
+inline void check_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& req_to_token) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV caches must be contiguous");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt, "req_to_token must be int32");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  const bool q8 = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches must share a dtype");
+  TORCH_CHECK(k_cache.size(2) == q.size(2) + (q8 ? kQ8ScaleBytes : 0),
+              "KV cache rows must be head_dim long, or head_dim + 4 bytes for int8 (the scale)");
+}
+
+}  // namespace ember
