@@ -19,6 +19,7 @@ from engine.loader.model_config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.model.moe import SparseMoE
 from engine.model.rope import apply_rope, longrope_rows
+from engine.ops.fused import eager_fused
 from engine.ops.linear import embedding, linear
 from engine.quant.module import QuantizedWeight
 
@@ -28,6 +29,8 @@ LM_HEAD_SLICE = 8192  # rows of the output projection per GEMM (see LlamaModel.f
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same order of operations as HF's LlamaRMSNorm: normalise in fp32, cast back, then scale.
+    if eager_fused() and x.is_contiguous() and weight.dtype == x.dtype:
+        return torch.ops.ember.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

@@ -6,6 +6,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.forward_batch import ForwardBatch
+from engine.ops.fused import eager_fused
 
 
 def inv_freq_and_scaling(hf_config: PretrainedConfig, rope_type: str, theta: float, rotary_dim: int,
@@ -58,6 +59,8 @@ def longrope_rows(batch: ForwardBatch, original_max: int) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D]; cos/sin: [T, R] already in x's dtype, R <= D: partial rotary turns the first R dims only."""
+    if eager_fused() and x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous():
+        return torch.ops.ember.rope(x, cos, sin)
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)

@@ -1,0 +1,77 @@
+"""ember::rms_norm and ember::rope (the eager prefill's fused row ops) against the torch expressions they replace,
+which a compiled graph keeps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import llama, rope
+from engine.ops.native import NATIVE_OPS
+
+pytestmark = pytest.mark.skipif(not NATIVE_OPS, reason="the C++ ops are not built (EMBER_NATIVE_OPS=0)")
+
+
+def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((_torch_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = x.shape[-1] // 2
+    return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 576), (37, 576), (300, 2048), (5, 9, 64)])  # the last: a q/k norm's rows
+def test_rms_norm_matches_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    got, want = torch.ops.ember.rms_norm(x, w, 1e-5), _torch_rms_norm(x, w, 1e-5)
+    # fp32 differs from torch's mean only in summation order; 16-bit results are one rounding of the same value
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        assert (got != want).float().mean() < 0.01  # nearly all bit-identical: the rounding points are torch's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,dim,rot", [(9, 64, 64), (32, 128, 128), (4, 96, 32)])  # the last: partial rotary
+def test_rope_of_a_qkv_view_matches_torch(dtype: torch.dtype, heads: int, dim: int, rot: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    t = 45
+    qkv = torch.randn(t, heads * dim + 2 * dim, generator=g).to(dtype)
+    q = qkv[:, : heads * dim].view(t, heads, dim)  # strided, as the model's q is
+    cos, sin = (torch.randn(t, rot, generator=g).to(dtype) for _ in range(2))
+    got = torch.ops.ember.rope(q, cos, sin)
+    assert got.is_contiguous() and got.shape == q.shape
+    torch.testing.assert_close(got, _torch_rope(q, cos, sin), atol=1e-5, rtol=1e-5)
+    if dtype != torch.float32:  # each product rounded where torch rounds it: the same bits
+        assert torch.equal(got, _torch_rope(q, cos, sin))
+
+
+def test_model_functions_take_the_fused_ops_eagerly_and_torch_under_compile() -> None:
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(16, 64, generator=g), torch.randn(64, generator=g)
+    q = torch.randn(16, 4, 64, generator=g)
+    cos, sin = torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)
+
+    def f(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return llama.rms_norm(x, w, 1e-6), rope.apply_rope(q, cos, sin)
+
+    eager = f(x, q)
+    assert torch.equal(eager[0], torch.ops.ember.rms_norm(x, w, 1e-6))
+    assert torch.equal(eager[1], torch.ops.ember.rope(q, cos, sin))
+    compiled = torch.compile(f, fullgraph=True)(x, q)  # no fake kernels needed: the graph holds torch's ops
+    torch.testing.assert_close(compiled[0], _torch_rms_norm(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled[1], _torch_rope(q, cos, sin), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_are_errors() -> None:
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.ember.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="even rotary_dim"):
+        torch.ops.ember.rope(torch.randn(4, 2, 8), torch.randn(4, 10), torch.randn(4, 10))
