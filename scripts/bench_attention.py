@@ -1,5 +1,6 @@
 """Microseconds per layer of `ember::decode_attention` at the shapes of the models Ember serves, and the KV bytes
-per second that makes, on each ISA tier this CPU runs.
+per second that makes, on each ISA tier this CPU runs; with --prefill, `ember::prefill_attention` of one whole prompt
+of each --context length next to the SDPA reference it replaced (GFLOP/s of the causal products).
 
 Each shape gets one KV pool per layer (so a step's K/V come from memory, as in a model, not from the cache a single
 layer would stay in), laid out as a server fills it: each request's prompt in consecutive slots, then its decoded
@@ -9,6 +10,7 @@ bandwidth of a shared machine drifts: alternate, do not compare across hours).
 
   python scripts/bench_attention.py                       # the default shapes, the active tier, 2 threads
   python scripts/bench_attention.py --isa avx2 --context 1024 4096 --threads 1
+  python scripts/bench_attention.py --prefill --context 256 512 2048 --dtype float32
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import time
 
 import torch
 
-import engine.ops.attention  # noqa: F401 - registers ember::decode_attention
+from engine.ops.attention import reference_prefill_attention  # (the import registers the ember:: ops)
 from engine.ops.native import active_isa, forced_isa
 
 # name: (query heads, KV heads, head size, layers)
@@ -66,6 +68,28 @@ def bench(name: str, batch: int, context: int, reps: int, dtype: torch.dtype) ->
     return sec, batch * context * kv_heads * dim * 2 * dtype.itemsize / sec
 
 
+def bench_prefill(name: str, tokens: int, reps: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """Seconds per layer of the C++ op and of SDPA on one `tokens`-long prompt, and the FLOPs of one layer."""
+    heads, kv_heads, dim, _ = SHAPES[name]
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    kc, vc = (torch.zeros(tokens + 1, kv_heads, dim, dtype=dtype) for _ in range(2))
+    table = torch.zeros(2, tokens, dtype=torch.int32)
+    table[1] = torch.arange(1, tokens + 1, dtype=torch.int32)
+    meta = (torch.arange(1, tokens + 1), table, torch.tensor([1]), torch.tensor([0]), torch.tensor([tokens]))
+    ops = (torch.ops.ember.prefill_attention, reference_prefill_attention)
+    best = []
+    for op in ops:
+        op(q, k, v, kc, vc, *meta, dim ** -0.5)  # warm
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            op(q, k, v, kc, vc, *meta, dim ** -0.5)
+            times.append(time.perf_counter() - t0)
+        best.append(statistics.median(times))
+    return best[0], best[1], 2.0 * tokens * tokens * dim * heads  # QK and PV over the causal half
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -75,11 +99,23 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--isa", default=None, help="force a lower tier (avx2, avx512, scalar); default: the active one")
+    ap.add_argument("--prefill", action="store_true", help="time prefill attention of one prompt per --context")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     with forced_isa(a.isa) if a.isa else contextlib.nullcontext():
         print(f"tier {active_isa()}, {a.threads} threads, {a.dtype} KV")
+        if a.prefill:
+            if active_isa() == "scalar":
+                raise SystemExit("ember::prefill_attention has no scalar kernel (SDPA runs on that tier)")
+            print("| shape | prompt | ember us / layer (GFLOP/s) | SDPA us / layer (GFLOP/s) | speedup |")
+            print("| --- | --- | --- | --- | --- |")
+            for name in a.shapes:
+                for tokens in a.context:
+                    ours, sdpa, flop = bench_prefill(name, tokens, a.reps, dtype)
+                    print(f"| {name} | {tokens} | {ours * 1e6:.0f} ({flop / ours / 1e9:.0f}) | {sdpa * 1e6:.0f} "
+                          f"({flop / sdpa / 1e9:.0f}) | {sdpa / ours:.2f}x |", flush=True)
+            return
         print("| shape | batch | context | us / layer | KV GB/s |")
         print("| --- | --- | --- | --- | --- |")
         for name in a.shapes:
