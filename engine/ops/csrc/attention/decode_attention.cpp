@@ -75,19 +75,6 @@ void attend_scalar(const float* qf, int64_t G, int64_t D, const C* kp, const C* 
   }
 }
 
-// The tier's vector kernel for this storage type and head size, or nullptr (the portable loop).
-template <typename T>
-auto vector_kernel(Isa isa, int64_t D) {
-  AttentionKernels table{nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) table = attention_kernels_avx512();
-  else if (isa == Isa::kAvx2) table = attention_kernels_avx2();
-  if constexpr (std::is_same_v<T, float>) return table.f32 ? table.f32(D) : nullptr;
-  else if constexpr (std::is_same_v<T, c10::BFloat16>) return table.bf16 ? table.bf16(D) : nullptr;
-  else if constexpr (std::is_same_v<T, int8_t>) return table.q8 ? table.q8(D) : nullptr;
-  else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) return table.fp8 ? table.fp8(D) : nullptr;
-  else return table.f16 ? table.f16(D) : nullptr;
-}
-
 // T: the activations' type (q, out); C: the cache's (T itself, or int8_t for the int8 cache).
 template <typename T, typename C>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -104,7 +91,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  const auto fast = vector_kernel<C>(isa, D);
+  // the tier's vector kernel for this storage type and head size, or nullptr (the portable loop)
+  const auto fast = kernel_in<C>(tier_table(isa, attention_kernels_avx512, attention_kernels_avx2), D);
   using Raw = RawOf<C>;
   const Raw* kraw = reinterpret_cast<const Raw*>(kp);
   const Raw* vraw = reinterpret_cast<const Raw*>(vp);

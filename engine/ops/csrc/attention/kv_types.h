@@ -9,6 +9,7 @@
 
 #include "attention/decode_attention.h"
 #include "attention/kv_write.h"
+#include "common/cpu_isa.h"
 
 namespace ember {
 
@@ -21,6 +22,26 @@ template <typename C>
 using RawOf = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, int8_t>, C,
               std::conditional_t<std::is_same_v<C, c10::BFloat16>, Bf16,
               std::conditional_t<std::is_same_v<C, c10::Half>, Half, Fp8E4M3>>>;
+
+// The tier's table of kernels (decode's AttentionKernels or prefill's PrefillKernels), all nullptr on `scalar`.
+template <typename Table>
+Table tier_table(Isa isa, Table (*avx512)(), Table (*avx2)()) {
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return avx512();
+  if (isa == Isa::kAvx2) return avx2();
+  return Table{};
+}
+
+// The table's kernel for cache storage type C (c10's) and this head size, or nullptr. Both tables name their
+// members f32, bf16, f16, q8 and fp8.
+template <typename C, typename Table>
+auto kernel_in(const Table& t, int64_t head_dim) {
+  using Raw = RawOf<C>;
+  if constexpr (std::is_same_v<Raw, float>) return t.f32 ? t.f32(head_dim) : nullptr;
+  else if constexpr (std::is_same_v<Raw, Bf16>) return t.bf16 ? t.bf16(head_dim) : nullptr;
+  else if constexpr (std::is_same_v<Raw, Half>) return t.f16 ? t.f16(head_dim) : nullptr;
+  else if constexpr (std::is_same_v<Raw, int8_t>) return t.q8 ? t.q8(head_dim) : nullptr;
+  else return t.fp8 ? t.fp8(head_dim) : nullptr;
+}
 
 // fn(T{}, C{}) with T the activations' type (q's) and C the cache's storage type (--kv-cache-dtype), after writing
 // k and v (T, [n, kv_heads, D]) into the caches at `slots` (quantized for an int8 / fp8 cache, converted for another

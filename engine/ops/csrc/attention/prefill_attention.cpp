@@ -33,17 +33,11 @@ int64_t rows_per_pass(Isa isa) {
 
 template <typename C>
 PrefillOne<RawOf<C>> kernel_for(Isa isa, int64_t D) {
-  PrefillKernels table{nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) table = prefill_kernels_avx512();
-  else if (isa == Isa::kAvx2) table = prefill_kernels_avx2();
-  else return nullptr;
-  using Raw = RawOf<C>;
-  if constexpr (std::is_same_v<Raw, float>) return table.f32(D);
-  else if constexpr (std::is_same_v<Raw, Bf16>) return table.bf16(D);
-  else if constexpr (std::is_same_v<Raw, Half>) return table.f16(D);
-  else if constexpr (std::is_same_v<Raw, int8_t>) return table.q8(D);
-  else return table.fp8(D);
+  return kernel_in<C>(tier_table(isa, prefill_kernels_avx512, prefill_kernels_avx2), D);
 }
+
+// Tokens per task: as many as one pass of rows holds (at least one).
+int64_t task_tokens(Isa isa, int64_t G) { return std::max<int64_t>(1, rows_per_pass(isa) / G); }
 
 template <typename T, typename C>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
@@ -51,10 +45,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             Isa isa) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH, ctx = req_to_token.size(1);
   const int64_t stride = KVH * k_cache.size(2);
-  const auto kernel = kernel_for<C>(isa, D);
-  TORCH_CHECK(kernel != nullptr, "prefill_attention has no ", isa_name(isa), " kernel for head size ", D);
-  const int64_t unit = rows_per_pass(isa), nq_max = std::max<int64_t>(1, unit / G);
-  const int64_t M = (G * nq_max + unit - 1) / unit * unit;
+  const auto kernel = kernel_for<C>(isa, D);  // (run checked that the head size has kernels)
+  const int64_t unit = rows_per_pass(isa), M = (G * task_tokens(isa, G) + unit - 1) / unit * unit;  // task rows
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const auto* kp = reinterpret_cast<const RawOf<C>*>(k_cache.data_ptr());
@@ -93,10 +85,13 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
   TORCH_CHECK(isa != Isa::kScalar, "prefill_attention has no scalar kernel (engine/ops/attention.py runs SDPA there)");
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const at::Tensor slots = out_slots.contiguous(), table = req_to_token.contiguous();
-  const at::Tensor rows_t = req_rows.contiguous(), prefix_t = prefix_lens.contiguous(), ext_t = prefill_lens.contiguous();
+  const at::Tensor rows_t = req_rows.contiguous(), prefix_t = prefix_lens.contiguous();
+  const at::Tensor ext_t = prefill_lens.contiguous();
   const int64_t N = rows_t.numel(), G = q.size(1) / k_cache.size(1), KVH = k_cache.size(1);
   TORCH_CHECK(prefix_t.numel() == N && ext_t.numel() == N, "one prefix and one prefill length per request");
-  const int64_t nq_max = std::max<int64_t>(1, rows_per_pass(isa) / G);
+  TORCH_CHECK(kernel_for<float>(isa, q.size(2)) != nullptr, "prefill_attention has no ", isa_name(isa),
+              " kernel for head size ", q.size(2));  // before the caches are written: an error changes nothing
+  const int64_t nq_max = task_tokens(isa, G);
   std::vector<int64_t> rows(rows_t.data_ptr<int64_t>(), rows_t.data_ptr<int64_t>() + N);
   std::vector<Task> tasks;
   int64_t tok = 0;
@@ -136,8 +131,7 @@ at::Tensor prefill_attention_isa(const at::Tensor& q, const at::Tensor& k, const
 
 // Whether the active tier has a kernel for this head size (engine/ops/attention.py runs SDPA where not).
 bool prefill_kernel_ready(int64_t head_dim) {
-  const Isa isa = active_isa();
-  return isa != Isa::kScalar && kernel_for<float>(isa, head_dim) != nullptr;
+  return kernel_for<float>(active_isa(), head_dim) != nullptr;
 }
 
 }  // namespace
