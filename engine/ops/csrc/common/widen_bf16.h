@@ -19,4 +19,15 @@ inline std::vector<float> widen_bf16(const uint16_t* src, int64_t n) {
   return out;
 }
 
+// The same for rows x k values, written at row stride ld (the padding zeroed).
+inline std::vector<float> widen_bf16(const uint16_t* src, int64_t rows, int64_t k, int64_t ld) {
+  std::vector<float> out(rows * ld);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < k; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(src[m * k + i]) << 16;
+      std::memcpy(&out[m * ld + i], &bits, sizeof(float));
+    }
+  return out;
+}
+
 }  // namespace ember

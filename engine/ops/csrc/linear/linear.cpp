@@ -13,6 +13,7 @@
 
 #include "common/cpu_isa.h"
 #include "common/parallel_blocks.h"
+#include "common/row_stride.h"
 #include "common/widen_bf16.h"
 #include "linear/amx_bf16.h"
 
@@ -93,7 +94,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa i
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
   if (rows == 0) return out;
-  LinearArgs args{nullptr, nullptr, w_packed.data_ptr(), rows, k, n, out.data_ptr()};
+  LinearArgs args{nullptr, nullptr, w_packed.data_ptr(), rows, k, n, out.data_ptr(), k};
   TORCH_CHECK(path != Path::kAmx || amx_for(format, isa, k), "linear_bf16: the AMX path needs bf16 weights with K a "
               "multiple of 32 on the avx512bf16 tier of a CPU with AMX-BF16");
   if (path == Path::kAuto && amx_for(format, isa, k) && rows >= kBf16AmxMinRows) path = Path::kAmx;
@@ -101,15 +102,21 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, Isa i
     run_amx(xc, rows, args, blocks);
     return out;
   }
-  std::vector<float> widened;
+  // The input the kernel reads, at row_stride's padded stride when several rows share the call.
+  std::vector<float> xf;
+  std::vector<uint16_t> xb;
   if (!bf16) {
+    args.ldx = row_stride(rows, k, sizeof(float));
     args.xf = xc.data_ptr<float>();
+    if (args.ldx != k) args.xf = (xf = with_stride(args.xf, rows, k, args.ldx)).data();
+  } else if (kernel.fp32_input) {
+    args.ldx = row_stride(rows, k, sizeof(float));
+    xf = widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()), rows, k, args.ldx);
+    args.xf = xf.data();
   } else {
+    args.ldx = row_stride(rows, k, sizeof(uint16_t));
     args.x = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
-    if (kernel.fp32_input) {
-      widened = widen_bf16(args.x, rows * k);
-      args.xf = widened.data();
-    }
+    if (args.ldx != k) args.x = (xb = with_stride(args.x, rows, k, args.ldx)).data();
   }
   parallel_blocks(blocks, kernel.scratch_floats(rows, k),
                   [&](int64_t b, float* scratch) { kernel.run_block(args, b, scratch); });

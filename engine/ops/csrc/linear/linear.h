@@ -21,6 +21,9 @@ struct LinearArgs {
   const void* w;       // packed weight (uint16_t bf16 bits or float, by format)
   int64_t rows, k, n;  // k: input features (even for bf16)
   void* out;           // [rows, n] in the format's dtype
+  // Row stride of the input the kernel reads (x or xf), in its elements: k, or k plus a cache line when several rows
+  // share a call (linear.cpp padded_rows).
+  int64_t ldx;
 };
 
 struct LinearKernel {

@@ -74,12 +74,12 @@ constexpr TileFn kTileFor[] = {nullptr, micro_tile<1>, micro_tile<2>, micro_tile
 void run_block(const LinearArgs& a, int64_t b, float*) {
   const int64_t ncols = a.n - b * kBlock < kBlock ? a.n - b * kBlock : kBlock;
   const auto* xp = reinterpret_cast<const uint32_t*>(a.x);
-  const int64_t k2 = a.k / 2;
+  const int64_t k2 = a.k / 2, ldx2 = a.ldx / 2;  // ldx is even: k is, and so is the padding
   const uint16_t* wb = static_cast<const uint16_t*>(a.w) + b * a.k * kBlock;
   uint16_t* ob = static_cast<uint16_t*>(a.out) + b * kBlock;
   for (int64_t m0 = 0; m0 < a.rows; m0 += kMaxRows) {
     const int64_t mt = a.rows - m0 < kMaxRows ? a.rows - m0 : kMaxRows;
-    kTileFor[mt](xp + m0 * k2, k2, wb, k2, ob + m0 * a.n, a.n, ncols);
+    kTileFor[mt](xp + m0 * ldx2, ldx2, wb, k2, ob + m0 * a.n, a.n, ncols);
   }
 }
 

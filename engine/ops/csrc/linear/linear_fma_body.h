@@ -112,7 +112,7 @@ struct LinearBody {
     if (a.rows <= kStreamMax) {
       for (int64_t m0 = 0; m0 < a.rows; m0 += kStreamRows) {
         const int64_t mt = min64(kStreamRows, a.rows - m0);
-        stream_for<kStreamRows>(mt)(a.xf + m0 * K, K, wb, k2, ob + m0 * a.n, a.n, ncols);
+        stream_for<kStreamRows>(mt)(a.xf + m0 * a.ldx, a.ldx, wb, k2, ob + m0 * a.n, a.n, ncols);
       }
       return;
     }
@@ -131,7 +131,7 @@ struct LinearBody {
       }
       for (int64_t m0 = 0; m0 < a.rows; m0 += kTileRows) {
         const int64_t mr = min64(kTileRows, a.rows - m0);
-        tile_for<kTileRows>(mr)(a.xf + m0 * K + k0, K, tile, kc, acc + m0 * kBlock, k0 == 0);
+        tile_for<kTileRows>(mr)(a.xf + m0 * a.ldx + k0, a.ldx, tile, kc, acc + m0 * kBlock, k0 == 0);
       }
     }
     for (int64_t m = 0; m < a.rows; ++m)
@@ -156,7 +156,7 @@ struct LinearBody {
       const int64_t kc = min64(kChunk, K - k0);
       for (int64_t m0 = 0; m0 < a.rows; m0 += kTileRows) {
         const int64_t mr = min64(kTileRows, a.rows - m0);
-        tile_for<kTileRows>(mr)(a.xf + m0 * K + k0, K, wb + k0 * kBlock, kc, acc + m0 * kBlock, k0 == 0);
+        tile_for<kTileRows>(mr)(a.xf + m0 * a.ldx + k0, a.ldx, wb + k0 * kBlock, kc, acc + m0 * kBlock, k0 == 0);
       }
     }
     for (int64_t m = 0; m < a.rows; ++m)
