@@ -16,6 +16,7 @@
 
 #include "common/cpu_isa.h"
 #include "common/parallel_blocks.h"
+#include "common/row_stride.h"
 #include "common/widen_bf16.h"
 
 namespace ember {
@@ -54,7 +55,8 @@ struct QuantizedActs {
 // Per row, per block of qb (32 or 256): d = max|x| / 127, q = round(x / d), sums per 16.
 // Portable C++ (O(rows K), against the kernel's O(rows N K)); every variant sees the same int8 values.
 void quantize(const float* x, int64_t rows, int64_t k, int64_t qb, int lane_offset, QuantizedActs& o) {
-  o.q.resize(rows * k);
+  const int64_t ldq = row_stride(rows, k, sizeof(int8_t)), nb = k / qb;
+  o.q.resize(rows * ldq);
   o.d.resize(rows * k / qb);
   o.bsum.resize(rows * k / 16);
   if (qb == 32) {
@@ -68,7 +70,7 @@ void quantize(const float* x, int64_t rows, int64_t k, int64_t qb, int lane_offs
     float amax = 0.0f;
     for (int64_t i = 0; i < qb; ++i) amax = std::fmax(amax, std::fabs(v[i]));
     const float d = amax / kGgufActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int8_t* q = o.q.data() + j * qb;
+    int8_t* q = o.q.data() + j / nb * ldq + j % nb * qb;
     // Round half away from zero, branch-free so the loop vectorizes (SSE2: a libm-free cvttps2dq): |v id| <= 127
     // (+ an ulp), so |q| <= 127 without a clamp.
     for (int64_t i = 0; i < qb; ++i) {
@@ -193,7 +195,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
     if (path == Path::kWide) transpose_tiles(rows, k, acts);
     args.x = {acts.q.data(), acts.d.data(), acts.bsum.data(), acts.off.data(), acts.msum.data(),
               acts.kt.empty() ? nullptr : acts.kt.data(), acts.ktp.empty() ? nullptr : acts.ktp.data(),
-              acts.s32.empty() ? nullptr : acts.s32.data()};
+              acts.s32.empty() ? nullptr : acts.s32.data(), row_stride(rows, k, sizeof(int8_t))};
   }
   const auto run_block = tile ? kernel.run_block_tile : path == Path::kWide ? kernel.run_block_wide : kernel.run_block;
   parallel_blocks((n + kGgufBlockRows - 1) / kGgufBlockRows, gguf_scratch_floats(rows, tile),

@@ -106,6 +106,9 @@ struct GgufActs {
   const int16_t* ktp;
   // K-quants: [rows, K / 32] sum of q per 32 values (the 16-row Q4_K kernel's mins), else nullptr.
   const int16_t* s32;
+  // Row stride of q: K, plus a cache line when several rows share the call (common/row_stride.h: rows of a stride
+  // that is a multiple of 4 KiB share one L1 set).
+  int64_t ldq;
 };
 
 constexpr int kGgufRowTile = 8;      // activation rows sharing each decoded weight vector (linear_gguf_body.h)

@@ -67,7 +67,7 @@ struct GgufBody {
         const F dw = V::rowsf([&](int r) { return g_half(rb + r * bb); });
         const F mw = L::min ? V::rowsf([&](int r) { return g_half(rb + r * bb + 2); }) : dw;
         for (int m = 0; m < MT; ++m) {
-          const I xv = V::xload(x.q + m * k + 32 * b);
+          const I xv = V::xload(x.q + m * x.ldq + 32 * b);
           I dot = T == ember::kQ8_0 ? V::dot_s8(w, xv) : V::dot(w, xv);
           if constexpr (off) dot = V::sub(dot, V::set1i(x.off[m * nb + b]));
           acc[v][m] = V::fma(V::cvt(dot), V::mul(dw, V::set1(x.d[m * nb + b])), acc[v][m]);
@@ -118,7 +118,7 @@ struct GgufBody {
             for (int j = 0; j < 4; ++j) {
               const I s = V::shuffle(table, V::pick(4 * h + j));
               for (int m = 0; m < MT; ++m)
-                isum[j % NA][m] = V::dot_sc_acc(isum[j % NA][m], c[j], V::xload(xq + m * k + 128 * h + 32 * j), s);
+                isum[j % NA][m] = V::dot_sc_acc(isum[j % NA][m], c[j], V::xload(xq + m * x.ldq + 128 * h + 32 * j), s);
             }
           }
           if constexpr (NA == 2)
@@ -156,7 +156,7 @@ struct GgufBody {
             }
             const I s_lo = V::shuffle(table, V::pick(2 * j)), s_hi = V::shuffle(table, V::pick(2 * j + 1));
             for (int m = 0; m < MT; ++m) {
-              const int8_t* xm = xq + m * k + 64 * j;
+              const int8_t* xm = xq + m * x.ldq + 64 * j;
               isum[0][m] = V::dot_sc_acc(isum[0][m], lo, V::xload(xm), s_lo);
               isum[NA - 1][m] = V::dot_sc_acc(isum[NA - 1][m], hi, V::xload(xm + 32), s_hi);
             }
@@ -238,10 +238,10 @@ struct GgufBody {
       const int64_t mt = g_min64(kRowTile, a.rows - m0), nr = V::rows_per_pass(static_cast<int>(mt));
       const DotFn dot = dot_for<T, kRowTile, W>(mt);
       const bool k32 = ti.values == 32;
-      const GgufActs x{a.x.q + m0 * k, a.x.d + m0 * nblk, a.x.bsum + m0 * (k / 16),
+      const GgufActs x{a.x.q + m0 * a.x.ldq, a.x.d + m0 * nblk, a.x.bsum + m0 * (k / 16),
                        k32 ? a.x.off + m0 * nblk : nullptr, k32 ? a.x.msum + m0 * nblk : nullptr,
                        W && mt == kRowTile ? a.x.kt + m0 * nblk : nullptr,
-                       W && mt == kRowTile ? a.x.ktp + m0 * nblk * 8 : nullptr};
+                       W && mt == kRowTile ? a.x.ktp + m0 * nblk * 8 : nullptr, nullptr, a.x.ldq};
       for (int64_t gi = n0 / 4; gi < (n1 + 3) / 4; ++gi) {
         for (int64_t r0 = 0; r0 < 4; r0 += nr) dot(a.w + gi * 4 * row_bytes, r0, x, k, res + r0 * mt);
         for (int64_t r = 0; r < 4 && gi * 4 + r < n1; ++r)

@@ -110,7 +110,7 @@ void run_block(const GgufLinearArgs& a, int64_t block, float*) {
   uint8_t tmp[256];
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m = 0; m < a.rows; ++m) {
-      const int8_t* xq = a.x.q + m * k;
+      const int8_t* xq = a.x.q + m * a.x.ldq;
       const int16_t* bs = a.x.bsum + m * (k / 16);
       float y = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {

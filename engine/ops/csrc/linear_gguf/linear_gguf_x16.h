@@ -80,7 +80,7 @@ struct X16Body {
         }
       }
       for (int m = 0; m < MT; ++m) {
-        const int8_t* xm = x.q + m * k + 32 * b;
+        const int8_t* xm = x.q + m * x.ldq + 32 * b;
         I s;
         if constexpr (q8) {
           I t[NA];
@@ -138,7 +138,7 @@ struct X16Body {
           w[8 + c] = P::and_(P::srli16_4(q), P::mask8(0x0F));
         }
         for (int m = 0; m < MT; ++m) {
-          const int8_t* xm = x.q + m * k + 256 * sb + 64 * j;
+          const int8_t* xm = x.q + m * x.ldq + 256 * sb + 64 * j;
           const F dx = P::mul(d, P::set1(x.d[m * nsb + sb]));
           acc[m] = P::fma(P::cvt(sum8<NA>(w, xm)), P::mul(scf[2 * j], dx), acc[m]);
           acc[m] = P::fma(P::cvt(sum8<NA>(w + 8, xm + 32)), P::mul(scf[2 * j + 1], dx), acc[m]);
@@ -182,8 +182,9 @@ struct X16Body {
     for (int64_t m0 = 0; m0 < a.rows; m0 += kRowTile) {
       const int64_t mt = g_min64(kRowTile, a.rows - m0);
       const DotFn fn = dot_for<T, kRowTile>(mt);
-      const GgufActs x{a.x.q + m0 * k, a.x.d + m0 * nb, nullptr, kq ? nullptr : a.x.off + m0 * nb,
-                       kq ? nullptr : a.x.msum + m0 * nb, nullptr, nullptr, kq ? a.x.s32 + m0 * (k / 32) : nullptr};
+      const GgufActs x{a.x.q + m0 * a.x.ldq, a.x.d + m0 * nb, nullptr, kq ? nullptr : a.x.off + m0 * nb,
+                       kq ? nullptr : a.x.msum + m0 * nb, nullptr, nullptr,
+                       kq ? a.x.s32 + m0 * (k / 32) : nullptr, a.x.ldq};
       for (int64_t gi = n0 / 16; gi < (n1 + 15) / 16; ++gi)
         for (int h = 0; h < H; ++h) {
           const int64_t r0 = 16 * gi + L * h;
