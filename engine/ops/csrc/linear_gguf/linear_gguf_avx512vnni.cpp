@@ -88,6 +88,8 @@ struct GAvx512 {
 struct X16Avx512 : GAvx512 {  // 16 rows a zmm, GAvx512's arithmetic; Q8_0 made unsigned (codes + 128)
   static constexpr int L = 16;
   static constexpr bool kPairSums = false;  // vpdpbusd sums 4 products a lane in one
+  static constexpr bool kIntScales = true;  // Q4_K's sub-block scales by vpmulld (X16Body::dot_q4k)
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I q8(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
