@@ -4,7 +4,8 @@
 // The row-tile micro-kernels broadcast x[m][k] for each of up to 12 rows in turn. With a row stride that is a
 // multiple of 4 KiB (every K from 2048 bf16 / 1024 fp32 values up) all those rows fall into one set of the 8-way L1
 // and evict each other at every step. Measured on the Zen 4 EPYC (ember::linear_bf16, 2 threads, Llama-1B layers
-// from DRAM): 334 -> 405 GFLOP/s at 32 rows and 390 -> 438 at 128 with the stride one cache line longer.
+// from DRAM, builds alternated): 308-335 -> 365-391 GFLOP/s at 32 rows and 356-387 -> 414-436 at 128 with the
+// stride one cache line longer.
 #pragma once
 
 #include <cstdint>

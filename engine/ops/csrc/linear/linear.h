@@ -22,7 +22,7 @@ struct LinearArgs {
   int64_t rows, k, n;  // k: input features (even for bf16)
   void* out;           // [rows, n] in the format's dtype
   // Row stride of the input the kernel reads (x or xf), in its elements: k, or k plus a cache line when several rows
-  // share a call (linear.cpp padded_rows).
+  // share a call (common/row_stride.h).
   int64_t ldx;
 };
 
