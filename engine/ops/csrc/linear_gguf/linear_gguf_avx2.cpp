@@ -47,8 +47,11 @@ using GAvx2 = G256<MaddDot>;
 struct X16Avx2 : GAvx2 {
   static constexpr int L = 8;
   static constexpr bool kPairSums = true;
-  static constexpr bool kIntScales = false;  // vpmulld is 2 uops / 10 cycles on Haswell-class cores
-  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I add8(I a, I b) { return _mm256_add_epi8(a, b); }
+  static I lane_base() {  // 4 l in every byte of 32-bit lane l of each 128-bit half (vpshufb indexes per half)
+    return _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C);
+  }
+  static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
   static I pairs(I w, uint32_t x4) { return _mm256_maddubs_epi16(w, _mm256_set1_epi32(static_cast<int>(x4))); }
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I widen(I p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
@@ -59,8 +62,6 @@ struct X16Avx2 : GAvx2 {
   static I dot8(I acc, I w, uint32_t x4) {
     return add(acc, MaddDot::dot_s8(w, _mm256_set1_epi32(static_cast<int>(x4))));
   }
-  static I srli32(I a, int n) { return _mm256_srli_epi32(a, n); }
-  static I slli32(I a, int n) { return _mm256_slli_epi32(a, n); }
 };
 }  // namespace
 

@@ -88,15 +88,18 @@ struct GAvx512 {
 struct X16Avx512 : GAvx512 {  // 16 rows a zmm, GAvx512's arithmetic; Q8_0 made unsigned (codes + 128)
   static constexpr int L = 16;
   static constexpr bool kPairSums = false;  // vpdpbusd sums 4 products a lane in one
-  static constexpr bool kIntScales = true;  // Q4_K's sub-block scales by vpmulld (X16Body::dot_q4k)
   static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I add8(I a, I b) { return _mm512_add_epi8(a, b); }
+  static I lane_base() {
+    const __m128i b = _mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C);
+    return _mm512_broadcast_i32x4(b);
+  }
+  static I srli16(I a, int n) { return _mm512_srli_epi16(a, n); }
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I q8(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
   static I dot(I acc, I w, uint32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(static_cast<int>(x4))); }
   static I dot8(I acc, I w, uint32_t x4) { return dot(acc, w, x4); }
-  static I srli32(I a, int n) { return _mm512_srli_epi32(a, n); }
-  static I slli32(I a, int n) { return _mm512_slli_epi32(a, n); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 }  // namespace

@@ -8,7 +8,8 @@
 //   P::kPairSums  the 4-bit types' dots summed as vpmaddubsw's int16 pairs first (P::pairs, P::add16, P::widen)
 //   P::kQ8Offset  Q8_0 made unsigned (codes + 128, the 128 sum(x) taken off through GgufActs::off) rather than
 //                 dotted signed
-//   P::srli32, slli32, or_, madd16  Q4_K's per-lane 6-bit scale unpacking and its mins (vpmaddwd)
+//   P::shuffle, lane_idx, srli16, or_, madd16  Q4_K's per-lane 6-bit scale and min unpacking (vpshufb), the mins'
+//                 dot (vpmaddwd); its scales apply in int32 (P::mullo, or the pair sums' widening vpmaddwd)
 // Each block (32 values) costs, per activation row, 8 dots and one scale FMA (two with Q4_1's min) for all 16 rows
 // of a group: the 4-row layout's per-row float work was what bound its small batches (linear_gguf.h).
 // Included inside the ISA's target region, after linear_gguf_body.h.
@@ -33,24 +34,45 @@ struct X16Body {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
   }
 
+  static uint32_t x4(const int8_t* x, int c) { return g_load32(reinterpret_cast<const uint8_t*>(x + 4 * c)); }
+
+  // kPairSums: per lane two int16 halves that add up to sum8's lane. vpmaddubsw pairs of 4-bit codes are at most
+  // 2 x 15 x 127 = 3810, so 8 chunks' pairs add up in int16 (30480).
+  static I pair_sum8(const I* w, const int8_t* x) {
+    I p = P::pairs(w[0], x4(x, 0));
+    for (int c = 1; c < 8; ++c) p = P::add16(p, P::pairs(w[c], x4(x, c)));
+    return p;
+  }
+
   // Per lane, the sum over c < 8 of unsigned w[c]'s 4 bytes times x[4c..4c+3] (4-bit codes: w <= 15), in int32.
   template <int NA>
   static I sum8(const I* w, const int8_t* x) {
-    const auto x4 = [&](int c) { return g_load32(reinterpret_cast<const uint8_t*>(x + 4 * c)); };
     if constexpr (P::kPairSums) {
-      // vpmaddubsw pairs of 4-bit codes are at most 2 x 15 x 127 = 3810: 8 chunks' pairs add up in int16 (30480)
-      // and widen once.
-      I p = P::pairs(w[0], x4(0));
-      for (int c = 1; c < 8; ++c) p = P::add16(p, P::pairs(w[c], x4(c)));
-      return P::widen(p);
+      return P::widen(pair_sum8(w, x));
     } else {
       I s[NA];
       for (int a = 0; a < NA; ++a) s[a] = P::izero();
-      for (int c = 0; c < 8; ++c) s[c % NA] = P::dot(s[c % NA], w[c], x4(c));
+      for (int c = 0; c < 8; ++c) s[c % NA] = P::dot(s[c % NA], w[c], x4(x, c));
       for (int a = 1; a < NA; ++a) s[0] = P::add(s[0], s[a]);
       return s[0];
     }
   }
+
+  // sum8 times per-lane scales, exact in int32. kPairSums: the scale rides in the widening vpmaddwd (`sp` holds each
+  // lane's scale in both int16 halves: no instruction more than sum8); else one vpmulld (`sp`: the scale).
+  template <int NA>
+  static I sum8_scaled(const I* w, const int8_t* x, I sp) {
+    if constexpr (P::kPairSums) return P::madd16(pair_sum8(w, x), sp);
+    else return P::mullo(sum8<NA>(w, x), sp);
+  }
+
+  // vpshufb index: in every 32-bit lane, byte i picks byte (pat >> 8 i) & 0xFF of that lane (0x80: a zero byte).
+  static I lane_idx(uint32_t pat) { return P::add8(P::set1i(static_cast<int32_t>(pat)), P::lane_base()); }
+  // A sub-block scale's 6 bits from byte b of each lane: as int16 pairs (b, b) for kPairSums, else as int32 b.
+  static constexpr uint32_t scale_pat(uint32_t b) {
+    return P::kPairSums ? b | 0x80u << 8 | b << 16 | 0x80u << 24 : b | 0x808080u << 8;
+  }
+  static constexpr uint32_t pair_pat(uint32_t b) { return b | 0x80u << 8 | (b + 1) << 16 | 0x80u << 24; }
 
   // res[m * L + l] = row 16 g + L h + l dotted with activation row m (m < MT), the group starting at g. 32-value
   // types: chunk c of a block holds values 4c.. (Q8_0), or 4c.. in its low nibbles and 16 + 4c.. in its high ones.
@@ -101,17 +123,18 @@ struct X16Body {
 
   // The same for Q4_K: per 256-value block the rows' d and dmin, 3 chunks of their 12 scale bytes, then 32 chunks of
   // nibbles, chunk c's low nibbles values 64 (c / 8) + 4 (c % 8).. (sub-block 2 (c / 8)) and its high ones 32
-  // further (sub-block 2 (c / 8) + 1). y = xd (d sum_s sc_s dot_s - dmin sum_s mn_s xsum_s): the dots are exact
-  // integers, scaled per sub-block in fp32; the mins go through vpmaddwd with the activations' per-32 sums.
+  // further (sub-block 2 (c / 8) + 1). y = xd (d sum_s sc_s dot_s - dmin sum_s mn_s xsum_s): the dots and their
+  // scaling are exact integers; the mins go through vpmaddwd with the activations' per-32 sums.
   template <int MT>
   static void dot_q4k(const uint8_t* g, int h, const GgufActs& x, int64_t k, float* res) {
     constexpr int bb = 144, NA = MT < 4 ? 2 : 1;
-    // kInt: each row's 8 scaled sub-block dots summed exactly in int32 (|dot| <= 32 x 15 x 127, scales <= 63: under
+    // Each row's 8 scaled sub-block dots are summed exactly in int32 (|dot| <= 32 x 15 x 127, scales <= 63: under
     // 2^25 in all), then one conversion and one FMA a block instead of one of each per sub-block. Zen 4, 2 threads,
     // GFLOP/s over a 1B layer (scripts/bench_linear.py --types Q4_K): 438-452 -> 455-494 at 32 rows, 475-493 ->
-    // 543-545 at 128, 300-322 -> 334-347 at 8, 366-373 -> 350-355 at 4. Every row count takes the same path: a
-    // row's result must not depend on how many rows share its call.
-    constexpr bool kInt = P::kIntScales;
+    // 543-545 at 128, 300-322 -> 334-347 at 8, 366-373 -> 350-355 at 4. With the vpshufb unpacking (AMX Xeon, ms a
+    // layer): AVX2 3.45-3.53 -> 3.20-3.41 at 8 rows, 12.97-13.05 -> 11.50-12.10 at 32; AVX-512 unchanged to 8
+    // rows, 7.12-7.36 -> 6.67-7.04 at 32; one row unchanged on both. Every row count takes the same path: a row's
+    // result must not depend on how many rows share its call.
     const int64_t nsb = k / 256;
     F acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = P::zero();
@@ -126,22 +149,25 @@ struct X16Body {
       const F d = P::half(blk + 2 * L * h), dmin = P::half(blk + 32 + 2 * L * h);
       // ggml's get_scale_min_k4, per lane: sc[0..3] / mn[0..3] the low 6 bits of bytes 0-3 / 4-7; sc[4..7]
       // (mn[4..7]) the low (high) nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 (4-7) above them.
+      // Each byte is moved into place by vpshufb (the scales as sum8_scaled takes them, the mins as int16 pairs),
+      // then masked; the upper scales and mins shift their top 2 bits, from bits 6-7 of a 16-bit unit to 4-5.
       const uint8_t* sc = blk + 64 + 4 * L * h;
       const I u0 = P::load(sc), u1 = P::load(sc + 64), u2 = P::load(sc + 128);
-      const I m6 = P::set1i(63), m4 = P::set1i(15), m2 = P::set1i(3);
-      I sci[8], mn[8];
-      for (int s = 0; s < 4; ++s) {
-        sci[s] = P::and_(P::srli32(u0, 8 * s), m6);
-        mn[s] = P::and_(P::srli32(u1, 8 * s), m6);
-        sci[4 + s] = P::or_(P::and_(P::srli32(u2, 8 * s), m4), P::slli32(P::and_(P::srli32(u0, 8 * s + 6), m2), 4));
-        mn[4 + s] = P::or_(P::and_(P::srli32(u2, 8 * s + 4), m4), P::slli32(P::and_(P::srli32(u1, 8 * s + 6), m2), 4));
-      }
-      F scf[8];
-      if constexpr (!kInt)
-        for (int s = 0; s < 8; ++s) scf[s] = P::cvt(sci[s]);
-      I isum[MT];
+      const I m6 = P::set1i(0x003F003F), m4 = P::set1i(0x000F000F), m2 = P::set1i(0x00300030);
+      I scp[8];
       I mnp[4];  // int16 pairs (mn[2p], mn[2p + 1]) per lane, against the activations' (sum[2p], sum[2p + 1])
-      for (int p = 0; p < 4; ++p) mnp[p] = P::or_(mn[2 * p], P::slli32(mn[2 * p + 1], 16));
+      for (int b = 0; b < 4; ++b) {
+        const I ib = lane_idx(scale_pat(b));
+        scp[b] = P::and_(P::shuffle(u0, ib), m6);
+        scp[4 + b] = P::or_(P::and_(P::shuffle(u2, ib), m4), P::and_(P::srli16(P::shuffle(u0, ib), 2), m2));
+      }
+      for (int p = 0; p < 2; ++p) {
+        const I ip = lane_idx(pair_pat(2 * p));
+        mnp[p] = P::and_(P::shuffle(u1, ip), m6);
+        mnp[2 + p] = P::or_(P::and_(P::srli16(P::shuffle(u2, ip), 4), m4),
+                            P::and_(P::srli16(P::shuffle(u1, ip), 2), m2));
+      }
+      I isum[MT];
       const uint8_t* qs = blk + 64 + 3 * 64 + 4 * L * h;
       for (int j = 0; j < 4; ++j) {
         I w[16];  // the 8 chunks' low nibbles (sub-block 2j), then their high ones (2j + 1)
@@ -153,19 +179,11 @@ struct X16Body {
         }
         for (int m = 0; m < MT; ++m) {
           const int8_t* xm = x.q + m * x.ldq + 256 * sb + 64 * j;
-          if constexpr (kInt) {
-            const I lo = P::mullo(sum8<NA>(w, xm), sci[2 * j]);
-            const I t = P::add(lo, P::mullo(sum8<NA>(w + 8, xm + 32), sci[2 * j + 1]));
-            isum[m] = j == 0 ? t : P::add(isum[m], t);
-          } else {
-            const F dx = P::mul(d, P::set1(x.d[m * nsb + sb]));
-            acc[m] = P::fma(P::cvt(sum8<NA>(w, xm)), P::mul(scf[2 * j], dx), acc[m]);
-            acc[m] = P::fma(P::cvt(sum8<NA>(w + 8, xm + 32)), P::mul(scf[2 * j + 1], dx), acc[m]);
-          }
+          const I t = P::add(sum8_scaled<NA>(w, xm, scp[2 * j]), sum8_scaled<NA>(w + 8, xm + 32, scp[2 * j + 1]));
+          isum[m] = j == 0 ? t : P::add(isum[m], t);
         }
       }
-      if constexpr (kInt)
-        for (int m = 0; m < MT; ++m) acc[m] = P::fma(P::cvt(isum[m]), P::mul(d, P::set1(x.d[m * nsb + sb])), acc[m]);
+      for (int m = 0; m < MT; ++m) acc[m] = P::fma(P::cvt(isum[m]), P::mul(d, P::set1(x.d[m * nsb + sb])), acc[m]);
       for (int m = 0; m < MT; ++m) {
         const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.s32 + m * (k / 32) + 8 * sb);
         const auto pair = [&](int p) {
