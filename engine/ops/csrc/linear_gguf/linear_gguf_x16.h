@@ -87,12 +87,18 @@ struct X16Body {
     for (int m = 0; m < MT; ++m) acc[m] = P::zero();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = g + b * 16 * bb;
-      if (h == 0) prefetch(blk, 16 * bb);  // the group's whole block, once (the other half hits the cache)
+      // The block's lines prefetched one at a time as its chunks are read (the other half hits the cache), as
+      // dot_q4k does. AMX Xeon, ms a Llama-1B layer, against the whole block at its start: Q4_1 1.45-1.51 ->
+      // 1.38-1.40 at 1 row, 1.84-2.00 -> 1.78-1.82 at 4 (AVX2 1.67-1.69 -> 1.55-1.59, 2.71 -> 2.44-2.50); Q8_0
+      // 2.76-2.85 -> 2.67-2.70 at 4, 3.26-3.38 -> 3.13-3.24 at 8 (AVX2 3.42-3.45 -> 3.59-3.64 at 4, 5.46-5.53
+      // -> 5.30-5.39 at 8).
+      if (h == 0) prefetch(blk, hd);
       const F dw = P::half(blk + 2 * L * h);
       F mw = dw;
       if constexpr (min) mw = P::mul(P::half(blk + 32 + 2 * L * h), P::set1(8.0f));  // msum is d sum(x) / 8
       I w[8];  // values 4c.. of the block: Q8_0's chunks, or the 4-bit chunks' low then high nibbles
       for (int c = 0; c < (q8 ? 8 : 4); ++c) {
+        if (h == 0) prefetch(blk + hd + 64 * c, 64);
         const I q = P::load(blk + hd + 64 * c + 4 * L * h);
         if constexpr (q8) {
           w[c] = P::q8(q);
