@@ -122,7 +122,8 @@ def main() -> None:
             for op, ws, fn in ops:
                 for rows in args.rows:
                     before = torch.ops.ember.read_bandwidth(buf, 3)
-                    layers = args.layers if rows <= 8 else min(2, args.layers)  # many rows: compute-bound, the cache is no help
+                    # many rows: compute-bound, the cache is no help
+                    layers = args.layers if rows <= 8 else min(2, args.layers)
                     it = {name: iter(ws[name]) for name in SHAPES}
                     calls = [(name, fn, next(it[name])) for _ in range(layers) for name in ORDER]
                     res = run(calls, rows, args.passes)

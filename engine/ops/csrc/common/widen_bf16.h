@@ -9,17 +9,8 @@
 
 namespace ember {
 
-// fp32 copy of n bf16 values: each is the 16 bits above 16 zero bits.
-inline std::vector<float> widen_bf16(const uint16_t* src, int64_t n) {
-  std::vector<float> out(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(&out[i], &bits, sizeof(float));
-  }
-  return out;
-}
-
-// The same for rows x k values, written at row stride ld (the padding zeroed).
+// fp32 copy of rows x k bf16 values, written at row stride ld (the padding zeroed): each is the 16 bits above 16
+// zero bits.
 inline std::vector<float> widen_bf16(const uint16_t* src, int64_t rows, int64_t k, int64_t ld) {
   std::vector<float> out(rows * ld);
   for (int64_t m = 0; m < rows; ++m)
@@ -29,5 +20,8 @@ inline std::vector<float> widen_bf16(const uint16_t* src, int64_t rows, int64_t 
     }
   return out;
 }
+
+// The same for n values in one row.
+inline std::vector<float> widen_bf16(const uint16_t* src, int64_t n) { return widen_bf16(src, 1, n, n); }
 
 }  // namespace ember

@@ -45,6 +45,7 @@ GgufKernel kernel_for(Isa isa, int64_t qtype) {
 
 struct QuantizedActs {
   std::vector<int8_t> q;
+  int64_t ldq = 0;  // row stride of q (row_stride: padded when several rows share the call)
   std::vector<float> d, msum;
   std::vector<int16_t> bsum, s32;
   std::vector<int32_t> off;
@@ -55,7 +56,7 @@ struct QuantizedActs {
 // Per row, per block of qb (32 or 256): d = max|x| / 127, q = round(x / d), sums per 16.
 // Portable C++ (O(rows K), against the kernel's O(rows N K)); every variant sees the same int8 values.
 void quantize(const float* x, int64_t rows, int64_t k, int64_t qb, int lane_offset, QuantizedActs& o) {
-  const int64_t ldq = row_stride(rows, k, sizeof(int8_t)), nb = k / qb;
+  const int64_t ldq = o.ldq = row_stride(rows, k, sizeof(int8_t)), nb = k / qb;
   o.q.resize(rows * ldq);
   o.d.resize(rows * k / qb);
   o.bsum.resize(rows * k / 16);
@@ -195,7 +196,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
     if (path == Path::kWide) transpose_tiles(rows, k, acts);
     args.x = {acts.q.data(), acts.d.data(), acts.bsum.data(), acts.off.data(), acts.msum.data(),
               acts.kt.empty() ? nullptr : acts.kt.data(), acts.ktp.empty() ? nullptr : acts.ktp.data(),
-              acts.s32.empty() ? nullptr : acts.s32.data(), row_stride(rows, k, sizeof(int8_t))};
+              acts.s32.empty() ? nullptr : acts.s32.data(), acts.ldq};
   }
   const auto run_block = tile ? kernel.run_block_tile : path == Path::kWide ? kernel.run_block_wide : kernel.run_block;
   parallel_blocks((n + kGgufBlockRows - 1) / kGgufBlockRows, gguf_scratch_floats(rows, tile),
