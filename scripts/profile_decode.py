@@ -1,7 +1,7 @@
 """Milliseconds of one decode step of one bucket (the runner's path, no scheduler), the weight bandwidth it reaches
 against the machine's read bandwidth, and a torch.profiler breakdown.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/profile_decode.py [MODEL] [--batch 1] [--threads 2]
+    .venv/bin/python scripts/profile_decode.py [MODEL] [--batch 1] [--threads 2]
         [--eager] [--context 128] [--steps 20] [--compile-cache-dir DIR] [--shapes]
 
 MODEL: a GGUF file or HF folder (default: the embedded model). Random prompts of --context tokens are prefilled,
@@ -14,6 +14,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+from engine.omp_env import set_thread_env
+
+set_thread_env()  # before torch: the OpenMP spin the server runs with (OMP_WAIT_POLICY / GOMP_SPINCOUNT win)
 
 import torch
 from torch.profiler import profile

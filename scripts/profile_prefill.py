@@ -1,6 +1,6 @@
 """Seconds of one prefill forward (the runner's eager prefill path, no scheduler) and a torch.profiler breakdown.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/profile_prefill.py MODEL [--tokens 128] [--threads 2]
+    .venv/bin/python scripts/profile_prefill.py MODEL [--tokens 128] [--threads 2]
         [--compile-cache-dir DIR] [--repeats 3]
 
 MODEL: a GGUF file or HF folder (with --compile-cache-dir, its prepared copy is reused). Random prompt ids; each
@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+from engine.omp_env import set_thread_env
+
+set_thread_env()  # before torch: the OpenMP spin the server runs with (OMP_WAIT_POLICY / GOMP_SPINCOUNT win)
 
 import torch
 from torch.profiler import profile

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from engine.omp_env import set_thread_env
 from server.cli.config_resolve import (
     CONFIG_ENV,
     ConfigError,
@@ -36,16 +37,8 @@ from server.cli.generate import add_generate_args, run_generate
 AddArgs = Callable[[argparse.ArgumentParser], None]
 
 
-# OpenMP workers spin this many rounds (well under a millisecond) after a parallel region before sleeping. A decode
-# step runs ~150 short regions (every linear and attention call): with no spin (OMP_WAIT_POLICY=PASSIVE) each
-# one paid a futex wake-up, 37 vs 53-62 tok/s at batch 1 and 483 vs 817 at batch 32. With libgomp's default
-# spin (or ACTIVE) idle workers keep a core busy and starve the HTTP event loop on small machines.
-DEFAULT_GOMP_SPINCOUNT = "10000"
-
-
 def _set_thread_env() -> None:
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:  # an explicit choice wins
-        os.environ["GOMP_SPINCOUNT"] = DEFAULT_GOMP_SPINCOUNT
+    set_thread_env()  # engine/omp_env.py: the OpenMP spin the server runs with
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
