@@ -75,6 +75,11 @@ void attend_scalar(const float* qf, int64_t G, int64_t D, const C* kp, const C* 
   }
 }
 
+// Rows of one request at consecutive positions that share one task (decode_attention.h's AttendOne): enough that a
+// verify step's K/V rows are read a few times rather than once per row, few enough that a one-request step still
+// has tasks for every thread.
+constexpr int64_t kMergeRows = 4;
+
 // T: the activations' type (q, out); C: the cache's (T itself, or int8_t for the int8 cache).
 template <typename T, typename C>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -97,27 +102,44 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const Raw* kraw = reinterpret_cast<const Raw*>(kp);
   const Raw* vraw = reinterpret_cast<const Raw*>(vp);
 
-  // One task per (request, kv head): its G query heads share every K/V row they read.
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, kv_row(D);
+  // One task per (run of rows, kv head): a run is one row, or up to kMergeRows rows of one request at consecutive
+  // positions (a verify step's last token and drafts, engine/speculative.py), whose G query heads each share every
+  // K/V row they read. The portable loop takes rows one at a time.
+  std::vector<int64_t> run_start;
+  for (int64_t b = 0; b < B; ++b) {
+    const bool joins = fast != nullptr && b > 0 && rows[b] == rows[b - 1] && lens[b] == lens[b - 1] + 1 &&
+                       b - run_start.back() < kMergeRows;
+    if (!joins) run_start.push_back(b);
+  }
+  const int64_t runs = static_cast<int64_t>(run_start.size());
+  run_start.push_back(B);
+  at::parallel_for(0, runs * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores, kv_row(D);
+    std::vector<int64_t> qlen;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, kh = task % KVH;
-      const int64_t L = lens[b];
-      const int32_t* slots = table + rows[b] * ctx;
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qrow = qp + (b * H + kh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qrow[d]) * fscale;
-      }
+      const int64_t r = task / KVH, kh = task % KVH, b0 = run_start[r], nr = run_start[r + 1] - b0;
+      const int64_t L = lens[b0 + nr - 1], GQ = G * nr;  // the run's last row sees the most positions
+      const int32_t* slots = table + rows[b0] * ctx;
+      qf.resize(GQ * D);
+      acc.resize(GQ * D);
+      qlen.resize(GQ);
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const T* qrow = qp + ((b0 + i) * H + kh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = to_f(qrow[d]) * fscale;
+          qlen[i * G + g] = lens[b0 + i];
+        }
       if (fast != nullptr) {
-        scores.resize(G * ((L + 15) / 16 * 16) + G + G * D);
-        fast(qf.data(), G, kraw, vraw, slots, L, KVH * R, kh, scores.data(), acc.data());
+        scores.resize(GQ * ((L + 15) / 16 * 16) + GQ + GQ * D);
+        fast(qf.data(), GQ, kraw, vraw, slots, L, KVH * R, kh, scores.data(), acc.data(), nr > 1 ? qlen.data() : nullptr);
       } else {
         attend_scalar<C>(qf.data(), G, D, kp, vp, slots, L, KVH, kh, scores, kv_row.data(), acc.data());
       }
-      for (int64_t g = 0; g < G; ++g) {
-        T* orow = op + (b * H + kh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[g * D + d]);
-      }
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          T* orow = op + ((b0 + i) * H + kh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[(i * G + g) * D + d]);
+        }
     }
   });
 }

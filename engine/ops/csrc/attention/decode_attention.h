@@ -25,13 +25,15 @@ inline float q8_scale(const T* row, int64_t D) {
   return s;
 }
 
-// One request and one KV head: the G query heads sharing that KV head attend over its L positions.
+// One request and one KV head: the G queries sharing that KV head attend over its L positions: the query heads of
+// one row, or of several rows of the request at consecutive positions (a speculative verify step's last token and
+// drafts), query g over its first qlen[g] positions (qlen nullptr: all L), so each K/V row is read once for all.
 // qf: [G, D] fp32, pre-scaled. k/v: the layer's cache, row of (slot, kv head kh) at
 // (slot * kv_stride + kh * (D + row_extra<T>())).
 // scores: scratch of G * round_up(L, 16) + G + G * D floats. out: [G, D] fp32, normalised.
 template <typename T>
 using AttendOne = void (*)(const float* qf, int64_t G, const T* k, const T* v, const int32_t* slots, int64_t L,
-                           int64_t kv_stride, int64_t kh, float* scores, float* out);
+                           int64_t kv_stride, int64_t kh, float* scores, float* out, const int64_t* qlen);
 
 // Kernels by head size; nullptr where a head size has none (the driver then runs the portable loop).
 struct AttentionKernels {

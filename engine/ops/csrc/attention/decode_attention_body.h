@@ -80,7 +80,7 @@ struct AttentionBody {
 
   template <int NC, typename T>  // head_dim = NC * W
   static void attend_one(const float* qf, int64_t G, const T* kp, const T* vp, const int32_t* slots, int64_t L,
-                         int64_t kv_stride, int64_t kh, float* scores, float* out) {
+                         int64_t kv_stride, int64_t kh, float* scores, float* out, const int64_t* qlen) {
     constexpr int64_t D = NC * W;
     constexpr int64_t kQ8 = ember::row_extra<T>();  // 4: int8 / fp8 caches, each row's fp32 scale after its values
     constexpr int64_t RB = (D + kQ8) * sizeof(T);  // a row's bytes, what the prefetches cover
@@ -132,14 +132,17 @@ struct AttentionBody {
       }
     }
     const F neg_inf = V::set1(-__builtin_inff());
-    for (int64_t g = 0; g < G; ++g) {  // softmax numerators in place; the 1 / sum is applied to the output
+    // Softmax numerators in place, the 1 / sum applied to the output. Positions past a query's own length get 0, so
+    // the values pass below adds exact zeros for them: a row's output has the same bits as when it runs alone.
+    for (int64_t g = 0; g < G; ++g) {
       float* sg = scores + g * Lp;
+      const int64_t Lg = qlen != nullptr ? qlen[g] : L;
       F m = neg_inf;
-      for (int64_t l0 = 0; l0 < L; l0 += W) m = V::max(m, V::first_n(V::load(sg + l0), L - l0, neg_inf));
+      for (int64_t l0 = 0; l0 < Lg; l0 += W) m = V::max(m, V::first_n(V::load(sg + l0), Lg - l0, neg_inf));
       const F mx = V::set1(V::hmax(m));
       F sum = V::zero();
       for (int64_t l0 = 0; l0 < L; l0 += W) {
-        const F e = V::first_n(V::exp(V::sub(V::load(sg + l0), mx)), L - l0, V::zero());
+        const F e = V::first_n(V::exp(V::sub(V::load(sg + l0), mx)), Lg > l0 ? Lg - l0 : 0, V::zero());
         V::store(sg + l0, e);
         sum = V::add(sum, e);
       }
