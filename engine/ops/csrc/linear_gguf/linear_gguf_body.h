@@ -99,7 +99,8 @@ struct GgufBody {
     float acc_s[NV][MT] = {};   // exact, smaller tiles
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* blk = g + (4 * sb + r0) * bb;
-      if (r0 == 0 && T != ember::kQ6_K) prefetch(blk, 4 * bb);
+      // The group's block is prefetched a piece at a time as it is read (Q6_K's 840 bytes in quarters, Q5_K's 704
+      // in 4 NV pieces), not in one burst at its start: see the Q6_K branch.
       const int8_t* xq = x.q + 256 * sb;
       const int16_t* xs = x.bsum + 16 * sb;
       for (int v = 0; v < NV; ++v) {
@@ -152,6 +153,7 @@ struct GgufBody {
           I qh = V::izero();
           if constexpr (T == ember::kQ5_K) qh = V::rows([&](int r) { return g_load256(rb + r * bb + 16); });
           for (int j = 0; j < 4; ++j) {
+            if (r0 == 0) prefetch(blk + (4 * v + j) * (bb / NV), bb / NV);
             const I q = V::rows([&](int r) { return g_load256(rb + r * bb + qs + 32 * j); });
             I lo = V::and_(q, V::mask8(0x0F)), hi = V::and_(V::srli16_4(q), V::mask8(0x0F));
             if constexpr (T == ember::kQ5_K) {
