@@ -203,7 +203,91 @@ struct X16Body {
     for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
   }
 
+  // Q4_K at one activation row on a policy of two 8-row halves a group (AVX2): both halves in one pass, res[16], so
+  // each 64-byte chunk is used whole as it arrives and each activation broadcast serves both halves. dot_q4k's
+  // integers and float operations per half, in its order: the same bits as two dot_q4k<1> calls.
+  template <int MT>
+  static void dot_q4k_both(const uint8_t* g, const GgufActs& x, int64_t k, float* res) {
+    static_assert(H == 2 && P::kPairSums, "the 8-row-half (AVX2) policy");
+    const int64_t nsb = k / 256;
+    F acc[MT][2];
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = P::zero();
+    const I m6 = P::set1i(0x003F003F), m4 = P::set1i(0x000F000F), m2 = P::set1i(0x00300030);
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* blk = g + sb * 16 * 144;
+      prefetch(blk, 4 * 64);
+      I scp[2][8], mnp[2][4];
+      for (int h = 0; h < 2; ++h) {  // as dot_q4k
+        const uint8_t* sc = blk + 64 + 4 * L * h;
+        const I u0 = P::load(sc), u1 = P::load(sc + 64), u2 = P::load(sc + 128);
+        for (int b = 0; b < 4; ++b) {
+          const I ib = lane_idx(scale_pat(b));
+          scp[h][b] = P::and_(P::shuffle(u0, ib), m6);
+          scp[h][4 + b] = P::or_(P::and_(P::shuffle(u2, ib), m4), P::and_(P::srli16(P::shuffle(u0, ib), 2), m2));
+        }
+        for (int p = 0; p < 2; ++p) {
+          const I ip = lane_idx(pair_pat(2 * p));
+          mnp[h][p] = P::and_(P::shuffle(u1, ip), m6);
+          mnp[h][2 + p] = P::or_(P::and_(P::srli16(P::shuffle(u2, ip), 4), m4),
+                                 P::and_(P::srli16(P::shuffle(u1, ip), 2), m2));
+        }
+      }
+      I isum[MT][2];
+      const uint8_t* qs = blk + 64 + 3 * 64;
+      for (int j = 0; j < 4; ++j) {
+        I plo[MT][2], phi[MT][2];  // vpmaddubsw pair sums of sub-blocks 2j / 2j + 1 (at most 8 x 3810: int16)
+        for (int c = 0; c < 8; ++c) {
+          const uint8_t* ch = qs + 64 * (8 * j + c);
+          prefetch(ch, 64);
+          for (int h = 0; h < 2; ++h) {
+            const I q = P::load(ch + 4 * L * h);
+            const I wl = P::and_(q, P::mask8(0x0F)), wh = P::and_(P::srli16_4(q), P::mask8(0x0F));
+            for (int m = 0; m < MT; ++m) {
+              const int8_t* xm = x.q + m * x.ldq + 256 * sb + 64 * j;
+              const I lo = P::pairs(wl, x4(xm, c)), hi = P::pairs(wh, x4(xm + 32, c));
+              plo[m][h] = c == 0 ? lo : P::add16(plo[m][h], lo);
+              phi[m][h] = c == 0 ? hi : P::add16(phi[m][h], hi);
+            }
+          }
+        }
+        for (int m = 0; m < MT; ++m)
+          for (int h = 0; h < 2; ++h) {
+            const I t = P::add(P::madd16(plo[m][h], scp[h][2 * j]), P::madd16(phi[m][h], scp[h][2 * j + 1]));
+            isum[m][h] = j == 0 ? t : P::add(isum[m][h], t);
+          }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const F d = P::half(blk + 2 * L * h), dmin = P::half(blk + 32 + 2 * L * h);
+        for (int m = 0; m < MT; ++m) {
+          const float xd = x.d[m * nsb + sb];
+          acc[m][h] = P::fma(P::cvt(isum[m][h]), P::mul(d, P::set1(xd)), acc[m][h]);
+          const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.s32 + m * (k / 32) + 8 * sb);
+          I ms = P::madd16(mnp[h][0], P::set1i(static_cast<int32_t>(g_load32(xs))));
+          for (int p = 1; p < 4; ++p)
+            ms = P::add(ms, P::madd16(mnp[h][p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p)))));
+          acc[m][h] = P::fma(P::cvt(ms), P::mul(dmin, P::set1(-xd)), acc[m][h]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      P::storef(res + 16 * m, acc[m][0]);
+      P::storef(res + 16 * m + L, acc[m][1]);
+    }
+  }
+
   using DotFn = void (*)(const uint8_t*, int, const GgufActs&, int64_t, float*);
+  using BothFn = void (*)(const uint8_t*, const GgufActs&, int64_t, float*);
+  // Activation rows up to which dot_q4k_both runs (AVX2). AMX Xeon, forced avx2, ms a Llama-1B layer against the two
+  // half passes (scripts/bench_linear.py --types Q4_K): 1.56-1.61 -> 1.33-1.43 at 1 row, 1.84-1.87 -> 1.35-1.40 at
+  // 2, 2.11-2.15 -> 1.59-1.61 at 3, 2.33-2.38 -> 1.88-1.94 at 4; at 5 / 6 rows 3-7 % faster, at 8 rows 20 % slower
+  // (its accumulators no longer fit the 16 registers).
+  static constexpr int kBothRows = 4;
+
+  template <int MT>
+  static BothFn both_for(int64_t mt) {
+    if constexpr (MT == 1) return dot_q4k_both<1>;
+    else return mt == MT ? dot_q4k_both<MT> : both_for<MT - 1>(mt);
+  }
 
   template <int T, int MT>
   static constexpr DotFn pick() {
@@ -224,14 +308,22 @@ struct X16Body {
     const int64_t k = a.k, nb = k / values<T>(), group_bytes = 16 * nb * bytes<T>();
     const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
     constexpr bool kq = T == ember::kQ4_K;
-    float res[kRowTile * L];
+    float res[kRowTile * 16];  // 16 rows of output a row: dot_q4k_both writes both halves
     for (int64_t m0 = 0; m0 < a.rows; m0 += kRowTile) {
       const int64_t mt = g_min64(kRowTile, a.rows - m0);
       const DotFn fn = dot_for<T, kRowTile>(mt);
       const GgufActs x{a.x.q + m0 * a.x.ldq, a.x.d + m0 * nb, nullptr, kq ? nullptr : a.x.off + m0 * nb,
                        kq ? nullptr : a.x.msum + m0 * nb, nullptr, nullptr,
                        kq ? a.x.s32 + m0 * (k / 32) : nullptr, a.x.ldq};
-      for (int64_t gi = n0 / 16; gi < (n1 + 15) / 16; ++gi)
+      for (int64_t gi = n0 / 16; gi < (n1 + 15) / 16; ++gi) {
+        if constexpr (kq && H == 2) {
+          if (mt <= kBothRows) {
+            both_for<kBothRows>(mt)(a.w + gi * group_bytes, x, k, res);
+            for (int64_t m = 0; m < mt; ++m)
+              for (int64_t l = 0; l < 16 && 16 * gi + l < n1; ++l) g_store(a, (m0 + m) * a.n + 16 * gi + l, res[16 * m + l]);
+            continue;
+          }
+        }
         for (int h = 0; h < H; ++h) {
           const int64_t r0 = 16 * gi + L * h;
           if (r0 >= n1) break;
@@ -239,6 +331,7 @@ struct X16Body {
           for (int64_t m = 0; m < mt; ++m)
             for (int64_t l = 0; l < L && r0 + l < n1; ++l) g_store(a, (m0 + m) * a.n + r0 + l, res[m * L + l]);
         }
+      }
     }
   }
 };
