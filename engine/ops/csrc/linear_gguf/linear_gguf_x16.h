@@ -275,6 +275,54 @@ struct X16Body {
     }
   }
 
+  // The same for the 32-value types (dot's integers and float operations per half, in its order).
+  template <int T, int MT>
+  static void dot_both(const uint8_t* g, const GgufActs& x, int64_t k, float* res) {
+    static_assert(H == 2 && P::kPairSums, "the 8-row-half (AVX2) policy");
+    constexpr bool q8 = T == ember::kQ8_0, min = T == ember::kQ4_1;
+    constexpr bool off = T == ember::kQ4_0 || (q8 && P::kQ8Offset);
+    constexpr int bb = bytes<T>(), hd = min ? 64 : 32;
+    const int64_t nb = k / 32;
+    F acc[MT][2];
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = P::zero();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = g + b * 16 * bb;
+      prefetch(blk, hd);
+      I s[MT][2];  // Q8_0: int32 dots; the 4-bit types: vpmaddubsw pair sums (at most 8 x 3810: int16)
+      for (int c = 0; c < (q8 ? 8 : 4); ++c) {
+        prefetch(blk + hd + 64 * c, 64);
+        for (int h = 0; h < 2; ++h) {
+          const I q = P::load(blk + hd + 64 * c + 4 * L * h);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* xm = x.q + m * x.ldq + 32 * b;
+            if constexpr (q8) {
+              s[m][h] = P::dot8(c == 0 ? P::izero() : s[m][h], P::q8(q), x4(xm, c));
+            } else {
+              const I t = P::add16(P::pairs(P::and_(q, P::mask8(0x0F)), x4(xm, c)),
+                                   P::pairs(P::and_(P::srli16_4(q), P::mask8(0x0F)), x4(xm, 4 + c)));
+              s[m][h] = c == 0 ? t : P::add16(s[m][h], t);
+            }
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const F dw = P::half(blk + 2 * L * h);
+        F mw = dw;
+        if constexpr (min) mw = P::mul(P::half(blk + 32 + 2 * L * h), P::set1(8.0f));
+        for (int m = 0; m < MT; ++m) {
+          I t = q8 ? s[m][h] : P::widen(s[m][h]);
+          if constexpr (off) t = P::sub(t, P::set1i(x.off[m * nb + b]));
+          acc[m][h] = P::fma(P::cvt(t), P::mul(dw, P::set1(x.d[m * nb + b])), acc[m][h]);
+          if constexpr (min) acc[m][h] = P::fma(mw, P::set1(x.msum[m * nb + b]), acc[m][h]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      P::storef(res + 16 * m, acc[m][0]);
+      P::storef(res + 16 * m + L, acc[m][1]);
+    }
+  }
+
   using DotFn = void (*)(const uint8_t*, int, const GgufActs&, int64_t, float*);
   using BothFn = void (*)(const uint8_t*, const GgufActs&, int64_t, float*);
   // Activation rows up to which dot_q4k_both runs (AVX2). AMX Xeon, forced avx2, ms a Llama-1B layer against the two
@@ -283,10 +331,16 @@ struct X16Body {
   // (its accumulators no longer fit the 16 registers).
   static constexpr int kBothRows = 4;
 
-  template <int MT>
+  template <int T, int MT>
+  static constexpr BothFn pick_both() {
+    if constexpr (T == ember::kQ4_K) return dot_q4k_both<MT>;
+    else return dot_both<T, MT>;
+  }
+
+  template <int T, int MT>
   static BothFn both_for(int64_t mt) {
-    if constexpr (MT == 1) return dot_q4k_both<1>;
-    else return mt == MT ? dot_q4k_both<MT> : both_for<MT - 1>(mt);
+    if constexpr (MT == 1) return pick_both<T, 1>();
+    else return mt == MT ? pick_both<T, MT>() : both_for<T, MT - 1>(mt);
   }
 
   template <int T, int MT>
@@ -316,9 +370,9 @@ struct X16Body {
                        kq ? nullptr : a.x.msum + m0 * nb, nullptr, nullptr,
                        kq ? a.x.s32 + m0 * (k / 32) : nullptr, a.x.ldq};
       for (int64_t gi = n0 / 16; gi < (n1 + 15) / 16; ++gi) {
-        if constexpr (kq && H == 2) {
+        if constexpr (H == 2) {
           if (mt <= kBothRows) {
-            both_for<kBothRows>(mt)(a.w + gi * group_bytes, x, k, res);
+            both_for<T, kBothRows>(mt)(a.w + gi * group_bytes, x, k, res);
             for (int64_t m = 0; m < mt; ++m)
               for (int64_t l = 0; l < 16 && 16 * gi + l < n1; ++l) g_store(a, (m0 + m) * a.n + 16 * gi + l, res[16 * m + l]);
             continue;
