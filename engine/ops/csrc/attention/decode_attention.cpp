@@ -131,7 +131,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
       if (fast != nullptr) {
         scores.resize(GQ * ((L + 15) / 16 * 16) + GQ + GQ * D);
-        fast(qf.data(), GQ, kraw, vraw, slots, L, KVH * R, kh, scores.data(), acc.data(), nr > 1 ? qlen.data() : nullptr);
+        fast(qf.data(), GQ, kraw, vraw, slots, L, KVH * R, kh, scores.data(), acc.data(),
+             nr > 1 ? qlen.data() : nullptr);
       } else {
         attend_scalar<C>(qf.data(), G, D, kp, vp, slots, L, KVH, kh, scores, kv_row.data(), acc.data());
       }

@@ -1,352 +1,24 @@
-// ember::linear_gguf's integer kernel for the 16-row layout (Q4_0, Q4_1, Q8_0, Q4_K; linear_gguf.h), written once
-// over a policy P (linear_gguf_avx2.cpp, _avx512vnni.cpp):
-//   P::I / P::F   integer / float vector of P::L rows, one row a 32-bit lane (AVX-512: 16 rows, AVX2: 8, so a group
-//                 is 16 / L vectors)
-//   P::load(p)    L * 4 bytes: one chunk's rows; P::half(p): L fp16 -> fp32
-//   P::dot(acc, w, x4)  acc + per lane the 4 products of unsigned w bytes and the 4 signed activation bytes x4
-//                 (vpdpbusd; vpmaddubsw + vpmaddwd + vpaddd); P::dot8 the same for Q8_0's codes as P::q8 made them
-//   P::kPairSums  the 4-bit types' dots summed as vpmaddubsw's int16 pairs first (P::pairs, P::add16, P::widen)
-//   P::kQ8Offset  Q8_0 made unsigned (codes + 128, the 128 sum(x) taken off through GgufActs::off) rather than
-//                 dotted signed
-//   P::shuffle, lane_idx, srli16, or_, madd16  Q4_K's per-lane 6-bit scale and min unpacking (vpshufb), the mins'
-//                 dot (vpmaddwd); its scales apply in int32 (P::mullo, or the pair sums' widening vpmaddwd)
-// Each block (32 values) costs, per activation row, 8 dots and one scale FMA (two with Q4_1's min) for all 16 rows
-// of a group: the 4-row layout's per-row float work was what bound its small batches (linear_gguf.h).
-// Included inside the ISA's target region, after linear_gguf_body.h.
+// ember::linear_gguf's integer kernel for the 16-row layout (Q4_0, Q4_1, Q8_0, Q4_K; linear_gguf.h): run_block over
+// linear_gguf_x16_dots.h's dots (one vector of P::L rows of a group at a time) and, on AVX2 at a few activation rows,
+// linear_gguf_x16_both.h's (both halves of a group at once). Included inside the ISA's target region, after
+// linear_gguf_body.h.
 #pragma once
 
-#include "linear_gguf/linear_gguf_body.h"
+#include "linear_gguf/linear_gguf_x16_both.h"
 
 namespace {
 
 template <class P>
 struct X16Body {
-  using I = typename P::I;
-  using F = typename P::F;
+  using D = X16Dots<P>;
+  using B = X16Both<P>;
   static constexpr int L = P::L, H = 16 / L;
 
-  template <int T> static constexpr int bytes() {
-    return T == ember::kQ4_0 ? 18 : T == ember::kQ4_1 ? 20 : T == ember::kQ8_0 ? 34 : 144;
-  }
-  template <int T> static constexpr int values() { return T == ember::kQ4_K ? 256 : 32; }
-
-  static void prefetch(const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
-  }
-
-  static uint32_t x4(const int8_t* x, int c) { return g_load32(reinterpret_cast<const uint8_t*>(x + 4 * c)); }
-
-  // kPairSums: per lane two int16 halves that add up to sum8's lane. vpmaddubsw pairs of 4-bit codes are at most
-  // 2 x 15 x 127 = 3810, so 8 chunks' pairs add up in int16 (30480).
-  static I pair_sum8(const I* w, const int8_t* x) {
-    I p = P::pairs(w[0], x4(x, 0));
-    for (int c = 1; c < 8; ++c) p = P::add16(p, P::pairs(w[c], x4(x, c)));
-    return p;
-  }
-
-  // Per lane, the sum over c < 8 of unsigned w[c]'s 4 bytes times x[4c..4c+3] (4-bit codes: w <= 15), in int32.
-  template <int NA>
-  static I sum8(const I* w, const int8_t* x) {
-    if constexpr (P::kPairSums) {
-      return P::widen(pair_sum8(w, x));
-    } else {
-      I s[NA];
-      for (int a = 0; a < NA; ++a) s[a] = P::izero();
-      for (int c = 0; c < 8; ++c) s[c % NA] = P::dot(s[c % NA], w[c], x4(x, c));
-      for (int a = 1; a < NA; ++a) s[0] = P::add(s[0], s[a]);
-      return s[0];
-    }
-  }
-
-  // sum8 times per-lane scales, exact in int32. kPairSums: the scale rides in the widening vpmaddwd (`sp` holds each
-  // lane's scale in both int16 halves: no instruction more than sum8); else one vpmulld (`sp`: the scale).
-  template <int NA>
-  static I sum8_scaled(const I* w, const int8_t* x, I sp) {
-    if constexpr (P::kPairSums) return P::madd16(pair_sum8(w, x), sp);
-    else return P::mullo(sum8<NA>(w, x), sp);
-  }
-
-  // vpshufb index: in every 32-bit lane, byte i picks byte (pat >> 8 i) & 0xFF of that lane (0x80: a zero byte).
-  static I lane_idx(uint32_t pat) { return P::add8(P::set1i(static_cast<int32_t>(pat)), P::lane_base()); }
-  // A sub-block scale's 6 bits from byte b of each lane: as int16 pairs (b, b) for kPairSums, else as int32 b.
-  static constexpr uint32_t scale_pat(uint32_t b) {
-    return P::kPairSums ? b | 0x80u << 8 | b << 16 | 0x80u << 24 : b | 0x808080u << 8;
-  }
-  static constexpr uint32_t pair_pat(uint32_t b) { return b | 0x80u << 8 | (b + 1) << 16 | 0x80u << 24; }
-
-  // res[m * L + l] = row 16 g + L h + l dotted with activation row m (m < MT), the group starting at g. 32-value
-  // types: chunk c of a block holds values 4c.. (Q8_0), or 4c.. in its low nibbles and 16 + 4c.. in its high ones.
-  template <int T, int MT>
-  static void dot(const uint8_t* g, int h, const GgufActs& x, int64_t k, float* res) {
-    constexpr bool q8 = T == ember::kQ8_0, min = T == ember::kQ4_1;
-    constexpr bool off = T == ember::kQ4_0 || (q8 && P::kQ8Offset);
-    constexpr int bb = bytes<T>(), hd = min ? 64 : 32;
-    constexpr int NA = MT < 4 ? 2 : 1;  // independent sums a row below 4 rows, so the dependent dots overlap
-    const int64_t nb = k / 32;
-    F acc[MT];
-    for (int m = 0; m < MT; ++m) acc[m] = P::zero();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = g + b * 16 * bb;
-      // The block's lines prefetched one at a time as its chunks are read (the other half hits the cache), as
-      // dot_q4k does. AMX Xeon, ms a Llama-1B layer, against the whole block at its start: Q4_1 1.45-1.51 ->
-      // 1.38-1.40 at 1 row, 1.84-2.00 -> 1.78-1.82 at 4 (AVX2 1.67-1.69 -> 1.55-1.59, 2.71 -> 2.44-2.50); Q8_0
-      // 2.76-2.85 -> 2.67-2.70 at 4, 3.26-3.38 -> 3.13-3.24 at 8 (AVX2 3.42-3.45 -> 3.59-3.64 at 4, 5.46-5.53
-      // -> 5.30-5.39 at 8).
-      if (h == 0) prefetch(blk, hd);
-      const F dw = P::half(blk + 2 * L * h);
-      F mw = dw;
-      if constexpr (min) mw = P::mul(P::half(blk + 32 + 2 * L * h), P::set1(8.0f));  // msum is d sum(x) / 8
-      I w[8];  // values 4c.. of the block: Q8_0's chunks, or the 4-bit chunks' low then high nibbles
-      for (int c = 0; c < (q8 ? 8 : 4); ++c) {
-        if (h == 0) prefetch(blk + hd + 64 * c, 64);
-        const I q = P::load(blk + hd + 64 * c + 4 * L * h);
-        if constexpr (q8) {
-          w[c] = P::q8(q);
-        } else {
-          w[c] = P::and_(q, P::mask8(0x0F));
-          w[4 + c] = P::and_(P::srli16_4(q), P::mask8(0x0F));
-        }
-      }
-      for (int m = 0; m < MT; ++m) {
-        const int8_t* xm = x.q + m * x.ldq + 32 * b;
-        I s;
-        if constexpr (q8) {
-          I t[NA];
-          for (int a = 0; a < NA; ++a) t[a] = P::izero();
-          for (int c = 0; c < 8; ++c)
-            t[c % NA] = P::dot8(t[c % NA], w[c], g_load32(reinterpret_cast<const uint8_t*>(xm + 4 * c)));
-          s = NA == 2 ? P::add(t[0], t[NA - 1]) : t[0];
-        } else {
-          s = sum8<NA>(w, xm);
-        }
-        if constexpr (off) s = P::sub(s, P::set1i(x.off[m * nb + b]));
-        acc[m] = P::fma(P::cvt(s), P::mul(dw, P::set1(x.d[m * nb + b])), acc[m]);
-        if constexpr (min) acc[m] = P::fma(mw, P::set1(x.msum[m * nb + b]), acc[m]);
-      }
-    }
-    for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
-  }
-
-  // The same for Q4_K: per 256-value block the rows' d and dmin, 3 chunks of their 12 scale bytes, then 32 chunks of
-  // nibbles, chunk c's low nibbles values 64 (c / 8) + 4 (c % 8).. (sub-block 2 (c / 8)) and its high ones 32
-  // further (sub-block 2 (c / 8) + 1). y = xd (d sum_s sc_s dot_s - dmin sum_s mn_s xsum_s): the dots and their
-  // scaling are exact integers; the mins go through vpmaddwd with the activations' per-32 sums.
-  template <int MT>
-  static void dot_q4k(const uint8_t* g, int h, const GgufActs& x, int64_t k, float* res) {
-    constexpr int bb = 144, NA = MT < 4 ? 2 : 1;
-    // Each row's 8 scaled sub-block dots are summed exactly in int32 (|dot| <= 32 x 15 x 127, scales <= 63: under
-    // 2^25 in all), then one conversion and one FMA a block instead of one of each per sub-block. Zen 4, 2 threads,
-    // GFLOP/s over a 1B layer (scripts/bench_linear.py --types Q4_K): 438-452 -> 455-494 at 32 rows, 475-493 ->
-    // 543-545 at 128, 300-322 -> 334-347 at 8, 366-373 -> 350-355 at 4. With the vpshufb unpacking (AMX Xeon, ms a
-    // layer): AVX2 3.45-3.53 -> 3.20-3.41 at 8 rows, 12.97-13.05 -> 11.50-12.10 at 32; AVX-512 unchanged to 8
-    // rows, 7.12-7.36 -> 6.67-7.04 at 32; one row unchanged on both. Every row count takes the same path: a row's
-    // result must not depend on how many rows share its call.
-    const int64_t nsb = k / 256;
-    F acc[MT];
-    for (int m = 0; m < MT; ++m) acc[m] = P::zero();
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      const uint8_t* blk = g + sb * 16 * bb;
-      // The group's 36 lines a block are prefetched as they are read, one line per chunk below, not in one burst
-      // at the block's start: a burst of 36 outruns the core's line fill buffers and stalls the loads behind it.
-      // AMX Xeon, 2 threads, Llama-1B layer from DRAM (scripts/bench_linear.py --types Q4_K): 1.49-1.51 ->
-      // 1.26-1.39 ms at 1 row, 1.86 -> 1.50 at 4, 2.50-2.60 -> 2.07-2.14 at 8. Further ahead was slower: the
-      // burst at 4096 or 8192 bytes ahead, 1.73-2.08 ms at 1 row; no prefetch at all 1.67.
-      if (h == 0) prefetch(blk, 4 * 64);  // d, dmin and the scales
-      const F d = P::half(blk + 2 * L * h), dmin = P::half(blk + 32 + 2 * L * h);
-      // ggml's get_scale_min_k4, per lane: sc[0..3] / mn[0..3] the low 6 bits of bytes 0-3 / 4-7; sc[4..7]
-      // (mn[4..7]) the low (high) nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 (4-7) above them.
-      // Each byte is moved into place by vpshufb (the scales as sum8_scaled takes them, the mins as int16 pairs),
-      // then masked; the upper scales and mins shift their top 2 bits, from bits 6-7 of a 16-bit unit to 4-5.
-      const uint8_t* sc = blk + 64 + 4 * L * h;
-      const I u0 = P::load(sc), u1 = P::load(sc + 64), u2 = P::load(sc + 128);
-      const I m6 = P::set1i(0x003F003F), m4 = P::set1i(0x000F000F), m2 = P::set1i(0x00300030);
-      I scp[8];
-      I mnp[4];  // int16 pairs (mn[2p], mn[2p + 1]) per lane, against the activations' (sum[2p], sum[2p + 1])
-      for (int b = 0; b < 4; ++b) {
-        const I ib = lane_idx(scale_pat(b));
-        scp[b] = P::and_(P::shuffle(u0, ib), m6);
-        scp[4 + b] = P::or_(P::and_(P::shuffle(u2, ib), m4), P::and_(P::srli16(P::shuffle(u0, ib), 2), m2));
-      }
-      for (int p = 0; p < 2; ++p) {
-        const I ip = lane_idx(pair_pat(2 * p));
-        mnp[p] = P::and_(P::shuffle(u1, ip), m6);
-        mnp[2 + p] = P::or_(P::and_(P::srli16(P::shuffle(u2, ip), 4), m4),
-                            P::and_(P::srli16(P::shuffle(u1, ip), 2), m2));
-      }
-      I isum[MT];
-      const uint8_t* qs = blk + 64 + 3 * 64 + 4 * L * h;
-      for (int j = 0; j < 4; ++j) {
-        I w[16];  // the 8 chunks' low nibbles (sub-block 2j), then their high ones (2j + 1)
-        for (int c = 0; c < 8; ++c) {
-          if (h == 0) prefetch(qs + 64 * (8 * j + c), 64);
-          const I q = P::load(qs + 64 * (8 * j + c));
-          w[c] = P::and_(q, P::mask8(0x0F));
-          w[8 + c] = P::and_(P::srli16_4(q), P::mask8(0x0F));
-        }
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* xm = x.q + m * x.ldq + 256 * sb + 64 * j;
-          const I t = P::add(sum8_scaled<NA>(w, xm, scp[2 * j]), sum8_scaled<NA>(w + 8, xm + 32, scp[2 * j + 1]));
-          isum[m] = j == 0 ? t : P::add(isum[m], t);
-        }
-      }
-      for (int m = 0; m < MT; ++m) acc[m] = P::fma(P::cvt(isum[m]), P::mul(d, P::set1(x.d[m * nsb + sb])), acc[m]);
-      for (int m = 0; m < MT; ++m) {
-        const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.s32 + m * (k / 32) + 8 * sb);
-        const auto pair = [&](int p) {
-          return P::madd16(mnp[p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p))));
-        };
-        I ms = pair(0);
-        for (int p = 1; p < 4; ++p) ms = P::add(ms, pair(p));
-        acc[m] = P::fma(P::cvt(ms), P::mul(dmin, P::set1(-x.d[m * nsb + sb])), acc[m]);
-      }
-    }
-    for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
-  }
-
-  // Q4_K at one activation row on a policy of two 8-row halves a group (AVX2): both halves in one pass, res[16], so
-  // each 64-byte chunk is used whole as it arrives and each activation broadcast serves both halves. dot_q4k's
-  // integers and float operations per half, in its order: the same bits as two dot_q4k<1> calls.
-  template <int MT>
-  static void dot_q4k_both(const uint8_t* g, const GgufActs& x, int64_t k, float* res) {
-    static_assert(H == 2 && P::kPairSums, "the 8-row-half (AVX2) policy");
-    const int64_t nsb = k / 256;
-    F acc[MT][2];
-    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = P::zero();
-    const I m6 = P::set1i(0x003F003F), m4 = P::set1i(0x000F000F), m2 = P::set1i(0x00300030);
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      const uint8_t* blk = g + sb * 16 * 144;
-      prefetch(blk, 4 * 64);
-      I scp[2][8], mnp[2][4];
-      for (int h = 0; h < 2; ++h) {  // as dot_q4k
-        const uint8_t* sc = blk + 64 + 4 * L * h;
-        const I u0 = P::load(sc), u1 = P::load(sc + 64), u2 = P::load(sc + 128);
-        for (int b = 0; b < 4; ++b) {
-          const I ib = lane_idx(scale_pat(b));
-          scp[h][b] = P::and_(P::shuffle(u0, ib), m6);
-          scp[h][4 + b] = P::or_(P::and_(P::shuffle(u2, ib), m4), P::and_(P::srli16(P::shuffle(u0, ib), 2), m2));
-        }
-        for (int p = 0; p < 2; ++p) {
-          const I ip = lane_idx(pair_pat(2 * p));
-          mnp[h][p] = P::and_(P::shuffle(u1, ip), m6);
-          mnp[h][2 + p] = P::or_(P::and_(P::srli16(P::shuffle(u2, ip), 4), m4),
-                                 P::and_(P::srli16(P::shuffle(u1, ip), 2), m2));
-        }
-      }
-      I isum[MT][2];
-      const uint8_t* qs = blk + 64 + 3 * 64;
-      for (int j = 0; j < 4; ++j) {
-        I plo[MT][2], phi[MT][2];  // vpmaddubsw pair sums of sub-blocks 2j / 2j + 1 (at most 8 x 3810: int16)
-        for (int c = 0; c < 8; ++c) {
-          const uint8_t* ch = qs + 64 * (8 * j + c);
-          prefetch(ch, 64);
-          for (int h = 0; h < 2; ++h) {
-            const I q = P::load(ch + 4 * L * h);
-            const I wl = P::and_(q, P::mask8(0x0F)), wh = P::and_(P::srli16_4(q), P::mask8(0x0F));
-            for (int m = 0; m < MT; ++m) {
-              const int8_t* xm = x.q + m * x.ldq + 256 * sb + 64 * j;
-              const I lo = P::pairs(wl, x4(xm, c)), hi = P::pairs(wh, x4(xm + 32, c));
-              plo[m][h] = c == 0 ? lo : P::add16(plo[m][h], lo);
-              phi[m][h] = c == 0 ? hi : P::add16(phi[m][h], hi);
-            }
-          }
-        }
-        for (int m = 0; m < MT; ++m)
-          for (int h = 0; h < 2; ++h) {
-            const I t = P::add(P::madd16(plo[m][h], scp[h][2 * j]), P::madd16(phi[m][h], scp[h][2 * j + 1]));
-            isum[m][h] = j == 0 ? t : P::add(isum[m][h], t);
-          }
-      }
-      for (int h = 0; h < 2; ++h) {
-        const F d = P::half(blk + 2 * L * h), dmin = P::half(blk + 32 + 2 * L * h);
-        for (int m = 0; m < MT; ++m) {
-          const float xd = x.d[m * nsb + sb];
-          acc[m][h] = P::fma(P::cvt(isum[m][h]), P::mul(d, P::set1(xd)), acc[m][h]);
-          const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.s32 + m * (k / 32) + 8 * sb);
-          I ms = P::madd16(mnp[h][0], P::set1i(static_cast<int32_t>(g_load32(xs))));
-          for (int p = 1; p < 4; ++p)
-            ms = P::add(ms, P::madd16(mnp[h][p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p)))));
-          acc[m][h] = P::fma(P::cvt(ms), P::mul(dmin, P::set1(-xd)), acc[m][h]);
-        }
-      }
-    }
-    for (int m = 0; m < MT; ++m) {
-      P::storef(res + 16 * m, acc[m][0]);
-      P::storef(res + 16 * m + L, acc[m][1]);
-    }
-  }
-
-  // The same for the 32-value types (dot's integers and float operations per half, in its order).
-  template <int T, int MT>
-  static void dot_both(const uint8_t* g, const GgufActs& x, int64_t k, float* res) {
-    static_assert(H == 2 && P::kPairSums, "the 8-row-half (AVX2) policy");
-    constexpr bool q8 = T == ember::kQ8_0, min = T == ember::kQ4_1;
-    constexpr bool off = T == ember::kQ4_0 || (q8 && P::kQ8Offset);
-    constexpr int bb = bytes<T>(), hd = min ? 64 : 32;
-    const int64_t nb = k / 32;
-    F acc[MT][2];
-    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = P::zero();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = g + b * 16 * bb;
-      prefetch(blk, hd);
-      I s[MT][2];  // Q8_0: int32 dots; the 4-bit types: vpmaddubsw pair sums (at most 8 x 3810: int16)
-      for (int c = 0; c < (q8 ? 8 : 4); ++c) {
-        prefetch(blk + hd + 64 * c, 64);
-        for (int h = 0; h < 2; ++h) {
-          const I q = P::load(blk + hd + 64 * c + 4 * L * h);
-          for (int m = 0; m < MT; ++m) {
-            const int8_t* xm = x.q + m * x.ldq + 32 * b;
-            if constexpr (q8) {
-              s[m][h] = P::dot8(c == 0 ? P::izero() : s[m][h], P::q8(q), x4(xm, c));
-            } else {
-              const I t = P::add16(P::pairs(P::and_(q, P::mask8(0x0F)), x4(xm, c)),
-                                   P::pairs(P::and_(P::srli16_4(q), P::mask8(0x0F)), x4(xm, 4 + c)));
-              s[m][h] = c == 0 ? t : P::add16(s[m][h], t);
-            }
-          }
-        }
-      }
-      for (int h = 0; h < 2; ++h) {
-        const F dw = P::half(blk + 2 * L * h);
-        F mw = dw;
-        if constexpr (min) mw = P::mul(P::half(blk + 32 + 2 * L * h), P::set1(8.0f));
-        for (int m = 0; m < MT; ++m) {
-          I t = q8 ? s[m][h] : P::widen(s[m][h]);
-          if constexpr (off) t = P::sub(t, P::set1i(x.off[m * nb + b]));
-          acc[m][h] = P::fma(P::cvt(t), P::mul(dw, P::set1(x.d[m * nb + b])), acc[m][h]);
-          if constexpr (min) acc[m][h] = P::fma(mw, P::set1(x.msum[m * nb + b]), acc[m][h]);
-        }
-      }
-    }
-    for (int m = 0; m < MT; ++m) {
-      P::storef(res + 16 * m, acc[m][0]);
-      P::storef(res + 16 * m + L, acc[m][1]);
-    }
-  }
-
   using DotFn = void (*)(const uint8_t*, int, const GgufActs&, int64_t, float*);
-  using BothFn = void (*)(const uint8_t*, const GgufActs&, int64_t, float*);
-  // Activation rows up to which dot_q4k_both runs (AVX2). AMX Xeon, forced avx2, ms a Llama-1B layer against the two
-  // half passes (scripts/bench_linear.py --types Q4_K): 1.56-1.61 -> 1.33-1.43 at 1 row, 1.84-1.87 -> 1.35-1.40 at
-  // 2, 2.11-2.15 -> 1.59-1.61 at 3, 2.33-2.38 -> 1.88-1.94 at 4; at 5 / 6 rows 3-7 % faster, at 8 rows 20 % slower
-  // (its accumulators no longer fit the 16 registers).
-  static constexpr int kBothRows = 4;
-
-  template <int T, int MT>
-  static constexpr BothFn pick_both() {
-    if constexpr (T == ember::kQ4_K) return dot_q4k_both<MT>;
-    else return dot_both<T, MT>;
-  }
-
-  template <int T, int MT>
-  static BothFn both_for(int64_t mt) {
-    if constexpr (MT == 1) return pick_both<T, 1>();
-    else return mt == MT ? pick_both<T, MT>() : both_for<T, MT - 1>(mt);
-  }
-
   template <int T, int MT>
   static constexpr DotFn pick() {
-    if constexpr (T == ember::kQ4_K) return dot_q4k<MT>;
-    else return dot<T, MT>;
+    if constexpr (T == ember::kQ4_K) return D::template dot_q4k<MT>;
+    else return D::template dot<T, MT>;
   }
 
   template <int T, int MT>
@@ -359,7 +31,7 @@ struct X16Body {
   // Every row of output block `block` (two groups), activation rows in tiles of kRowTile sharing each decoded chunk.
   template <int T>
   static void run_block(const GgufLinearArgs& a, int64_t block, float*) {
-    const int64_t k = a.k, nb = k / values<T>(), group_bytes = 16 * nb * bytes<T>();
+    const int64_t k = a.k, nb = k / D::template values<T>(), group_bytes = 16 * nb * D::template bytes<T>();
     const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
     constexpr bool kq = T == ember::kQ4_K;
     float res[kRowTile * 16];  // 16 rows of output a row: dot_q4k_both writes both halves
@@ -371,10 +43,11 @@ struct X16Body {
                        kq ? a.x.s32 + m0 * (k / 32) : nullptr, a.x.ldq};
       for (int64_t gi = n0 / 16; gi < (n1 + 15) / 16; ++gi) {
         if constexpr (H == 2) {
-          if (mt <= kBothRows) {
-            both_for<T, kBothRows>(mt)(a.w + gi * group_bytes, x, k, res);
+          if (mt <= B::kBothRows) {
+            B::template both_for<T, B::kBothRows>(mt)(a.w + gi * group_bytes, x, k, res);
             for (int64_t m = 0; m < mt; ++m)
-              for (int64_t l = 0; l < 16 && 16 * gi + l < n1; ++l) g_store(a, (m0 + m) * a.n + 16 * gi + l, res[16 * m + l]);
+              for (int64_t l = 0; l < 16 && 16 * gi + l < n1; ++l)
+                g_store(a, (m0 + m) * a.n + 16 * gi + l, res[16 * m + l]);
             continue;
           }
         }
