@@ -16,9 +16,8 @@ struct X16Both {
   using F = typename P::F;
   static constexpr int L = P::L;
 
-  // Q4_K at one activation row on a policy of two 8-row halves a group (AVX2): both halves in one pass, res[16], so
-  // each 64-byte chunk is used whole as it arrives and each activation broadcast serves both halves. dot_q4k's
-  // integers and float operations per half, in its order: the same bits as two dot_q4k<1> calls.
+  // Q4_K, activation rows m < MT: res[16 m + r] = group row r (both halves) dotted with row m, with dot_q4k's
+  // integers and float operations per half, in its order: the same bits as dot_q4k<MT> for h = 0 and 1.
   template <int MT>
   static void dot_q4k_both(const uint8_t* g, const GgufActs& x, int64_t k, float* res) {
     static_assert(L == 8 && P::kPairSums, "the 8-row-half (AVX2) policy");
@@ -118,10 +117,10 @@ struct X16Both {
   }
 
   using BothFn = void (*)(const uint8_t*, const GgufActs&, int64_t, float*);
-  // Activation rows up to which dot_q4k_both runs (AVX2). AMX Xeon, forced avx2, ms a Llama-1B layer against the two
-  // half passes (scripts/bench_linear.py --types Q4_K): 1.56-1.61 -> 1.33-1.43 at 1 row, 1.84-1.87 -> 1.35-1.40 at
-  // 2, 2.11-2.15 -> 1.59-1.61 at 3, 2.33-2.38 -> 1.88-1.94 at 4; at 5 / 6 rows 3-7 % faster, at 8 rows 20 % slower
-  // (its accumulators no longer fit the 16 registers).
+  // Activation rows up to which the both-halves dots run (AVX2). AMX Xeon, forced avx2, ms a Llama-1B layer against
+  // the two half passes (scripts/bench_linear.py --types Q4_K): 1.56-1.61 -> 1.33-1.43 at 1 row, 1.84-1.87 ->
+  // 1.35-1.40 at 2, 2.11-2.15 -> 1.59-1.61 at 3, 2.33-2.38 -> 1.88-1.94 at 4; at 5 / 6 rows 3-7 % faster, at 8
+  // rows 20 % slower (its accumulators no longer fit the 16 registers). The 32-value types gained likewise to 4.
   static constexpr int kBothRows = 4;
 
   template <int T, int MT>

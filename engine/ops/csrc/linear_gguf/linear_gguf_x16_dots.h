@@ -99,8 +99,9 @@ struct X16Dots {
   // acc + a block's mins term for one activation row: dmin (-xd) sum_p mnp[p] . (its sums over 32 values, xs32).
   static F q4k_mins(const I* mnp, const int16_t* xs32, F dmin, float xd, F acc) {
     const uint8_t* xs = reinterpret_cast<const uint8_t*>(xs32);
-    I ms = P::madd16(mnp[0], P::set1i(static_cast<int32_t>(g_load32(xs))));
-    for (int p = 1; p < 4; ++p) ms = P::add(ms, P::madd16(mnp[p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p)))));
+    const auto pair = [&](int p) { return P::madd16(mnp[p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p)))); };
+    I ms = pair(0);
+    for (int p = 1; p < 4; ++p) ms = P::add(ms, pair(p));
     return P::fma(P::cvt(ms), P::mul(dmin, P::set1(-xd)), acc);
   }
 
