@@ -55,11 +55,9 @@ struct X16Both {
       }
       for (int h = 0; h < 2; ++h) {
         const F d = P::half(blk + 2 * L * h), dmin = P::half(blk + 32 + 2 * L * h);
-        for (int m = 0; m < MT; ++m) {
-          const float xd = x.d[m * nsb + sb];
-          acc[m][h] = P::fma(P::cvt(isum[m][h]), P::mul(d, P::set1(xd)), acc[m][h]);
-          acc[m][h] = D::q4k_mins(mnp[h], x.s32 + m * (k / 32) + 8 * sb, dmin, xd, acc[m][h]);
-        }
+        for (int m = 0; m < MT; ++m)
+          acc[m][h] = D::scale_q4k(isum[m][h], d, dmin, mnp[h], x.s32 + m * (k / 32) + 8 * sb, x.d[m * nsb + sb],
+                                   acc[m][h]);
       }
     }
     for (int m = 0; m < MT; ++m) {
@@ -72,9 +70,8 @@ struct X16Both {
   template <int T, int MT>
   static void dot_both(const uint8_t* g, const GgufActs& x, int64_t k, float* res) {
     static_assert(L == 8 && P::kPairSums, "the 8-row-half (AVX2) policy");
-    constexpr bool q8 = T == ember::kQ8_0, min = T == ember::kQ4_1;
-    constexpr bool off = T == ember::kQ4_0 || (q8 && P::kQ8Offset);
-    constexpr int bb = D::template bytes<T>(), hd = min ? 64 : 32;
+    constexpr bool q8 = T == ember::kQ8_0;
+    constexpr int bb = D::template bytes<T>(), hd = T == ember::kQ4_1 ? 64 : 32;
     const int64_t nb = k / 32;
     F acc[MT][2];
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = P::zero();
@@ -99,15 +96,10 @@ struct X16Both {
         }
       }
       for (int h = 0; h < 2; ++h) {
-        const F dw = P::half(blk + 2 * L * h);
-        F mw = dw;
-        if constexpr (min) mw = P::mul(P::half(blk + 32 + 2 * L * h), P::set1(8.0f));
-        for (int m = 0; m < MT; ++m) {
-          I t = q8 ? s[m][h] : P::widen(s[m][h]);
-          if constexpr (off) t = P::sub(t, P::set1i(x.off[m * nb + b]));
-          acc[m][h] = P::fma(P::cvt(t), P::mul(dw, P::set1(x.d[m * nb + b])), acc[m][h]);
-          if constexpr (min) acc[m][h] = P::fma(mw, P::set1(x.msum[m * nb + b]), acc[m][h]);
-        }
+        F dw, mw;
+        D::template dm32<T>(blk, h, dw, mw);
+        for (int m = 0; m < MT; ++m)
+          acc[m][h] = D::template scale32<T>(q8 ? s[m][h] : P::widen(s[m][h]), dw, mw, x, m * nb + b, acc[m][h]);
       }
     }
     for (int m = 0; m < MT; ++m) {

@@ -96,8 +96,10 @@ struct X16Dots {
     }
   }
 
-  // acc + a block's mins term for one activation row: dmin (-xd) sum_p mnp[p] . (its sums over 32 values, xs32).
-  static F q4k_mins(const I* mnp, const int16_t* xs32, F dmin, float xd, F acc) {
+  // Q4_K: acc + a block's share for one activation row: its exactly scaled integer sum isum times d xd, then the
+  // mins term, dmin (-xd) sum_p mnp[p] . (the row's sums over 32 values, xs32).
+  static F scale_q4k(I isum, F d, F dmin, const I* mnp, const int16_t* xs32, float xd, F acc) {
+    acc = P::fma(P::cvt(isum), P::mul(d, P::set1(xd)), acc);
     const uint8_t* xs = reinterpret_cast<const uint8_t*>(xs32);
     const auto pair = [&](int p) { return P::madd16(mnp[p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p)))); };
     I ms = pair(0);
@@ -105,13 +107,29 @@ struct X16Dots {
     return P::fma(P::cvt(ms), P::mul(dmin, P::set1(-xd)), acc);
   }
 
+  // A 32-value block's per-row fp16 d, and Q4_1's m times 8 (GgufActs::msum is d sum(x) / 8), of half h.
+  template <int T>
+  static void dm32(const uint8_t* blk, int h, F& dw, F& mw) {
+    dw = mw = P::half(blk + 2 * L * h);
+    if constexpr (T == ember::kQ4_1) mw = P::mul(P::half(blk + 32 + 2 * L * h), P::set1(8.0f));
+  }
+
+  // A 32-value block: acc + its share for one activation row (at: the row's block index) from the int32 dot s, less
+  // Q4_0's offset (and Q8_0's, where P made its codes unsigned), times d_w d_x; plus Q4_1's min.
+  template <int T>
+  static F scale32(I s, F dw, F mw, const GgufActs& x, int64_t at, F acc) {
+    if constexpr (T == ember::kQ4_0 || (T == ember::kQ8_0 && P::kQ8Offset)) s = P::sub(s, P::set1i(x.off[at]));
+    acc = P::fma(P::cvt(s), P::mul(dw, P::set1(x.d[at])), acc);
+    if constexpr (T == ember::kQ4_1) acc = P::fma(mw, P::set1(x.msum[at]), acc);
+    return acc;
+  }
+
   // res[m * L + l] = row 16 g + L h + l dotted with activation row m (m < MT), the group starting at g. 32-value
   // types: chunk c of a block holds values 4c.. (Q8_0), or 4c.. in its low nibbles and 16 + 4c.. in its high ones.
   template <int T, int MT>
   static void dot(const uint8_t* g, int h, const GgufActs& x, int64_t k, float* res) {
-    constexpr bool q8 = T == ember::kQ8_0, min = T == ember::kQ4_1;
-    constexpr bool off = T == ember::kQ4_0 || (q8 && P::kQ8Offset);
-    constexpr int bb = bytes<T>(), hd = min ? 64 : 32;
+    constexpr bool q8 = T == ember::kQ8_0;
+    constexpr int bb = bytes<T>(), hd = T == ember::kQ4_1 ? 64 : 32;
     constexpr int NA = MT < 4 ? 2 : 1;  // independent sums a row below 4 rows, so the dependent dots overlap
     const int64_t nb = k / 32;
     F acc[MT];
@@ -124,9 +142,8 @@ struct X16Dots {
       // 2.76-2.85 -> 2.67-2.70 at 4, 3.26-3.38 -> 3.13-3.24 at 8 (AVX2 3.42-3.45 -> 3.59-3.64 at 4, 5.46-5.53
       // -> 5.30-5.39 at 8).
       if (h == 0) prefetch(blk, hd);
-      const F dw = P::half(blk + 2 * L * h);
-      F mw = dw;
-      if constexpr (min) mw = P::mul(P::half(blk + 32 + 2 * L * h), P::set1(8.0f));  // msum is d sum(x) / 8
+      F dw, mw;
+      dm32<T>(blk, h, dw, mw);
       I w[8];  // values 4c.. of the block: Q8_0's chunks, or the 4-bit chunks' low then high nibbles
       for (int c = 0; c < (q8 ? 8 : 4); ++c) {
         if (h == 0) prefetch(blk + hd + 64 * c, 64);
@@ -150,9 +167,7 @@ struct X16Dots {
         } else {
           s = sum8<NA>(w, xm);
         }
-        if constexpr (off) s = P::sub(s, P::set1i(x.off[m * nb + b]));
-        acc[m] = P::fma(P::cvt(s), P::mul(dw, P::set1(x.d[m * nb + b])), acc[m]);
-        if constexpr (min) acc[m] = P::fma(mw, P::set1(x.msum[m * nb + b]), acc[m]);
+        acc[m] = scale32<T>(s, dw, mw, x, m * nb + b, acc[m]);
       }
     }
     for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
@@ -202,9 +217,8 @@ struct X16Dots {
           isum[m] = j == 0 ? t : P::add(isum[m], t);
         }
       }
-      for (int m = 0; m < MT; ++m) acc[m] = P::fma(P::cvt(isum[m]), P::mul(d, P::set1(x.d[m * nsb + sb])), acc[m]);
       for (int m = 0; m < MT; ++m)
-        acc[m] = q4k_mins(mnp, x.s32 + m * (k / 32) + 8 * sb, dmin, x.d[m * nsb + sb], acc[m]);
+        acc[m] = scale_q4k(isum[m], d, dmin, mnp, x.s32 + m * (k / 32) + 8 * sb, x.d[m * nsb + sb], acc[m]);
     }
     for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
   }
