@@ -3,7 +3,7 @@ r - 1 drafts at consecutive positions of its request row, as engine/speculative.
 step with one row each. Prints the median ms per step and its ratio to r = 1: the price of verifying r - 1 drafts in
 one pass (docs/speculative-decoding.md).
 
-    GOMP_SPINCOUNT=10000 .venv/bin/python scripts/bench_verify_rows.py [MODEL] [--requests 1] [--rows 1 2 4 8]
+    .venv/bin/python scripts/bench_verify_rows.py [MODEL] [--requests 1] [--rows 1 2 4 8]
         [--context 384] [--threads 2] [--eager] [--llama1b]
 
 MODEL: a GGUF file or HF folder (default: the embedded SmolLM2). Each request holds --context tokens of random
@@ -20,7 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from engine.omp_env import set_thread_env
+
+set_thread_env()  # before torch: the OpenMP spin the server runs with (OMP_WAIT_POLICY / GOMP_SPINCOUNT win)
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kv_disk import llama1b  # noqa: E402
