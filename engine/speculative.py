@@ -37,7 +37,10 @@ RATE_EMA = 0.3  # weight of the latest verify step in a request's acceptance rat
 RATE_RECOVERY = 0.02
 # A draft model's probe is not free (a catch-up forward and the draft's own steps): it probes less often.
 DRAFT_RATE_RECOVERY = 0.005
-RECENT_RATE_EMA = 0.1  # weight of a verify step in the all-requests acceptance rate a draft model's requests start at
+# Weight of a verify step in the all-requests acceptance rate a new request starts at: on a workload that copies
+# (edits, quotes) it drafts from its first step, where at the prior a batch of 8 would never try (on a model whose
+# 16-row step costs 1.5x an 8-row one, one draft a request at 0.5 only breaks even), and on free text it starts low.
+RECENT_RATE_EMA = 0.1
 MAX_RATE = 0.95  # an estimate, never a certainty: keeps the expected gain of long drafts finite
 STEP_TIME_EMA = 0.2
 
@@ -82,7 +85,13 @@ class NgramIndex:
 
 @dataclass
 class SpecState:
-    """One request's drafting state (engine thread only). Retraction keeps it: the tokens it indexes stay."""
+    """One request's drafting state (engine thread only). Retraction keeps it: the tokens it indexes stay.
+
+    `rate` estimates the chance that a draft token is kept given that every draft before it was: the planner's
+    model (DraftPlanner.plan). A verify step that kept a of k drafts tested a + 1 of them (the first rejected one
+    ended it) or, when all were kept, k: so the estimate is kept tokens over tested ones, both as moving sums over
+    recent verify steps. (Kept over proposed, a / k, would read 7 drafts of which 4 were kept as 0.57 where the
+    per-token rate is 0.8, and make long drafts look worse the longer they get.)"""
 
     index: NgramIndex = field(default_factory=NgramIndex)
     rate: float = PRIOR_RATE
@@ -90,15 +99,23 @@ class SpecState:
     accepted: int = 0  # of which were accepted
     verify_steps: int = 0  # steps in which the request verified at least one draft
     recovery: float = RATE_RECOVERY
+    tested: float = 1.0  # moving sum of tested draft tokens (kept ones are rate * tested)
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed:
-            self.rate = (1 - RATE_EMA) * self.rate + RATE_EMA * accepted / proposed
+            kept = (1 - RATE_EMA) * self.rate * self.tested + RATE_EMA * accepted
+            self.tested = (1 - RATE_EMA) * self.tested + RATE_EMA * tested_drafts(proposed, accepted)
+            self.rate = kept / self.tested
             self.proposed += proposed
             self.accepted += accepted
             self.verify_steps += 1
         else:
             self.rate += (PRIOR_RATE - self.rate) * self.recovery
+
+
+def tested_drafts(proposed: int, accepted: int) -> int:
+    """Draft tokens a verify step tested: the kept ones, and the first rejected one if any."""
+    return accepted + (accepted < proposed)
 
 
 @dataclass
@@ -202,9 +219,9 @@ class Speculator:
             return self._no_drafts(batch)
         rooms: list[int] = []
         for req in batch:
-            if req.spec is None:  # a draft model's new request starts from the acceptance the draft has had lately
-                req.spec = (SpecState() if self.drafter is None else
-                            SpecState(rate=self.recent_rate, recovery=DRAFT_RATE_RECOVERY))
+            if req.spec is None:  # a new request starts from the acceptance drafts have had lately
+                req.spec = SpecState(rate=self.recent_rate,
+                                     recovery=RATE_RECOVERY if self.drafter is None else DRAFT_RATE_RECOVERY)
             room = min(self.max_draft, req.max_new_tokens - len(req.output_ids) - 1)  # the step adds one of its own
             rooms.append(max(0, room if self.drafter is None else min(room, self.drafter.room(req))))
         rates = [req.spec.rate if req.spec is not None else 0.0 for req in batch]
@@ -250,7 +267,7 @@ class Speculator:
         assert req.spec is not None
         req.spec.record(proposed, accepted)
         if proposed:
-            self.recent_rate += RECENT_RATE_EMA * (accepted / proposed - self.recent_rate)
+            self.recent_rate += RECENT_RATE_EMA * (accepted / tested_drafts(proposed, accepted) - self.recent_rate)
         self.stats.proposed += proposed
         self.stats.accepted += accepted
         self.stats.verify_steps += 1

@@ -88,6 +88,8 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    # (bucket, the planner's moving average of a decode step's seconds there): what it weighs drafts against
+    spec_step_seconds: tuple[tuple[int, float], ...] = ()
     draft_ready_buckets: tuple[int, ...] | None = None  # a draft model's compiled decode buckets (None: no draft)
     kv_disk: DiskStats | None = None  # the prefix cache's disk tier (a copy), None when it is off
     # window layers' own slots: in use (admitted requests' windows and cached positions), and given back so far by
@@ -122,6 +124,7 @@ class EngineStats:
             ready_buckets=_ready(graphs),
             spec_proposed_tokens=spec.proposed if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
             spec_verify_steps=spec.verify_steps if spec else 0,
+            spec_step_seconds=tuple(sorted(core.speculator.planner.step_s.items())) if spec else (),
             draft_ready_buckets=None if core.drafter is None else _ready(core.drafter.runner.graphs),
             kv_disk=dataclasses.replace(kvm.disk.stats) if kvm.disk is not None else None,
             **({} if kvm.windows is None else dict(window_used_slots=kvm.windows.slots.used_size(),

@@ -143,7 +143,9 @@ async def server_info(request: Request) -> dict[str, Any]:
         "speculative": {"mode": info.speculative, "num_speculative_tokens": cfg.num_speculative_tokens,
                         "draft_model": cfg.draft_model, "draft_compiled_buckets": stats.draft_ready_buckets,
                         "proposed_tokens": stats.spec_proposed_tokens, "accepted_tokens": stats.spec_accepted_tokens,
-                        "verify_steps": stats.spec_verify_steps},
+                        "verify_steps": stats.spec_verify_steps,
+                        # the measured ms of a decode step per bucket, what drafting into a bigger one is weighed by
+                        "step_ms": {str(b): round(secs * 1e3, 3) for b, secs in stats.spec_step_seconds}},
         "max_n": settings.max_n,
         "max_request_bytes": settings.max_request_bytes,
         "auth": settings.api_key is not None,

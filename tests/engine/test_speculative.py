@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.speculative import DraftPlanner, NgramIndex
+from engine.speculative import PRIOR_RATE, RATE_RECOVERY, DraftPlanner, NgramIndex, SpecState, Speculator
 from scheduler_helpers import Arrival, assert_same_streams, run_checked, tiny_engine
 
 
@@ -75,6 +76,59 @@ def test_planner_uses_free_padding_rows_and_skips_unready_buckets() -> None:
     # An unmeasured ready bucket is tried at the cost of the largest measured one below it.
     assert _planner({1: 1.0}).plan([0.9], [1], budget=10) == [1]
     assert _planner({}).plan([0.9], [5], budget=10) == [0]  # nothing measured yet
+
+
+def test_rate_is_the_chance_a_draft_is_kept_after_the_ones_before_it() -> None:
+    # Keeping 4 of 7 drafts at every step means 4 kept of 5 tested (the fifth was rejected): 0.8 a token, not 4/7.
+    copying = SpecState()
+    for _ in range(30):
+        copying.record(7, 4)
+    assert copying.rate == pytest.approx(0.8, abs=1e-3)
+    # Every draft kept: nothing rejected, the estimate climbs to 1 (the planner caps it, MAX_RATE).
+    quoting = SpecState()
+    for _ in range(30):
+        quoting.record(3, 3)
+    assert quoting.rate > 0.99
+    failing = SpecState()
+    for _ in range(30):
+        failing.record(5, 0)
+    assert failing.rate < 0.01
+    assert (copying.proposed, copying.accepted, copying.verify_steps) == (210, 120, 30)
+    # A step without drafts relaxes the estimate toward the prior, so a request that stopped drafting tries again.
+    failing.record(0, 0)
+    assert 0.005 < failing.rate < PRIOR_RATE
+
+
+@dataclass
+class _Req:
+    """What the Speculator reads of an engine Request."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 40
+    output_ids: list[int] = field(default_factory=list)
+    spec: Any = None
+    matcher: Any = None
+    pooling: Any = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def test_a_new_request_starts_from_the_recent_acceptance() -> None:
+    spec = Speculator((1, 2, 4, 8), lambda b: True, max_draft=7)
+    spec.planner.step_s.update({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
+    old = _Req([1, 2, 3, 1, 2, 3, 1, 2])
+    assert spec.drafts([old], budget=7) == [(3, 1, 2)]  # what followed the last 4 tokens' earlier occurrence
+    assert old.spec is not None and old.spec.rate == PRIOR_RATE
+    for _ in range(40):  # every draft it verifies is kept
+        spec.verified(old, 6, 6)
+    new = _Req([9, 8, 7])
+    spec.drafts([new], budget=7)
+    assert spec.recent_rate > 0.95
+    # (it had nothing to propose, so this step relaxed its rate once toward the prior)
+    assert new.spec is not None
+    assert new.spec.rate == pytest.approx(spec.recent_rate + (PRIOR_RATE - spec.recent_rate) * RATE_RECOVERY)
 
 
 # ---- whole engines ------------------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ def test_draft_counts_add_up_across_meta_info_and_metrics(server: Server, http: 
     assert _counter(after, "ember:spec_verify_steps") > _counter(before, "ember:spec_verify_steps")
     info = http.get("/get_server_info").json()["speculative"]
     assert info["accepted_tokens"] >= accepted
+    # the decode steps just run were timed per bucket, the planner's costs: the batch of one's bucket among them
+    assert "1" in info["step_ms"] and all(ms > 0 for ms in info["step_ms"].values())
 
 
 def test_a_draft_model_server_reports_its_drafts(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
