@@ -312,3 +312,24 @@ def test_the_shared_index_keeps_a_token_budget() -> None:
     assert index.tokens == 60 and index.propose([7, 8, 9, 10], 3) == []
     assert index.propose([140, 141, 142], 2) == [143, 144]
     assert all(sid in index.seqs for m in index.maps.values() for sid, _ in m.values())
+
+
+def test_the_replay_script_counts_what_the_drafter_would_have_kept() -> None:
+    """scripts/replay_spec.py's replay: the engine's drafter and planner against given greedy outputs."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "replay_spec.py"
+    spec = importlib.util.spec_from_file_location("replay_spec", path)
+    assert spec is not None and spec.loader is not None
+    replay_spec = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay_spec)
+    phrase = list(range(10, 40))
+    copying = [[phrase + [1, 2], phrase[:24]] for _ in range(3)]  # each output copies its prompt's phrase
+    flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}  # extra rows free: every proposal is verified
+    tok_s, per_step, rows = replay_spec.replay(copying, 1, flat)
+    assert per_step > 3 and rows > 4  # most of each output came from drafts
+    assert tok_s / replay_spec.plain(copying, 1, flat) == pytest.approx(per_step)
+    rng = random.Random(1)
+    fresh = [[[rng.randrange(100, 10_000) for _ in range(30)], [rng.randrange(100, 10_000) for _ in range(24)]]
+             for _ in range(3)]  # nothing to copy: no proposal, one token a step
+    assert replay_spec.replay(fresh, 2, flat)[1] == 1.0
