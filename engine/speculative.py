@@ -39,7 +39,7 @@ RATE_RECOVERY = 0.02
 DRAFT_RATE_RECOVERY = 0.005
 # Weight of a verify step in the all-requests acceptance rate a new request starts at: on a workload that copies
 # (edits, quotes) it drafts from its first step, where at the prior a batch of 8 would never try (on a model whose
-# 16-row step costs 1.5x an 8-row one, one draft a request at 0.5 only breaks even), and on free text it starts low.
+# 16-row step costs 1.5-1.8x an 8-row one, one draft a request at 0.5 does not pay), and on free text it starts low.
 RECENT_RATE_EMA = 0.1
 MAX_RATE = 0.95  # an estimate, never a certainty: keeps the expected gain of long drafts finite
 STEP_TIME_EMA = 0.2

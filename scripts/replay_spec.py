@@ -74,8 +74,10 @@ def replay(pairs: list[list[list[int]]], clients: int, step_ms: dict[int, float]
         assert bucket is not None
         step_s = step_ms[bucket] / 1e3
         spec.planner.observe(rows, step_s)
-        seconds, steps, rows_total, request_steps = seconds + step_s, steps + 1, rows_total + rows, \
-            request_steps + len(running)
+        seconds += step_s
+        steps += 1
+        rows_total += rows
+        request_steps += len(running)
         for req, draft in zip(running, drafts):
             at, kept = len(req.output_ids), 0
             while kept < len(draft) and at + kept < len(req.greedy) and draft[kept] == req.greedy[at + kept]:
