@@ -26,11 +26,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.request import Request
-from engine.suffix_index import SharedIndex
+from engine.suffix_index import MATCH_CAP, SharedIndex, common_suffix
 
 
 MIN_NGRAM, MAX_NGRAM = 2, 4
-PRIOR_RATE = 0.5  # acceptance rate assumed before a request has verified any draft
+# How well a proposal's source matched says more about whether its drafts are kept than the request does: in
+# greedy outputs of the default model (scripts/replay_spec.py) a draft after a fresh 2-token match was kept at
+# 0.73-0.84 a token, one that continues a source matching 8 tokens and more (a copy in progress, a loop) at
+# 0.95-1.0. So each request keeps a rate per class of matched length (class i: at least MATCH_CLASSES[i] tokens;
+# a draft model's drafts are all class 0), each starting from its prior: where a copy is under way, even a batch
+# of 8 whose 16-row step costs 1.8x an 8-row one drafts from the start.
+MATCH_CLASSES = (0, 3, MATCH_CAP)
+CLASS_PRIORS = (0.5, 0.7, 0.9)  # acceptance rate assumed before a request has verified any draft of the class
 RATE_EMA = 0.3  # weight of the latest verify step in a request's acceptance rate
 # Per step without drafting, a request's rate relaxes this far toward the prior, so one that stopped drafting
 # tries again after a while (its text may have started quoting its prompt).
@@ -58,6 +65,7 @@ class NgramIndex:
         self.indexed = 0  # n-grams ending (exclusive) at positions <= indexed are in the maps
         self.source = -1  # ids[source] was the first token of the last proposal, made when there were `at` ids
         self.at = 0
+        self.matched = 0  # tokens before the last proposal's source that equal the suffix (up to MATCH_CAP)
 
     def propose(self, ids: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the current suffix of `ids` earlier in `ids`."""
@@ -69,10 +77,7 @@ class NgramIndex:
         self.indexed = max(self.indexed, last)
         # The thread from the last proposal, kept when it matches the suffix at least as long as the best lookup.
         thread = self.source + (n_ids - self.at) if self.source >= 0 else -1
-        thread_len = 0
-        if 0 < thread < n_ids:
-            while thread_len < MAX_NGRAM and thread_len < thread and ids[thread - 1 - thread_len] == ids[-1 - thread_len]:
-                thread_len += 1
+        thread_len = common_suffix(ids, thread, ids) if 0 < thread < n_ids else 0
         start = thread if thread_len >= MIN_NGRAM else -1
         for n in range(min(MAX_NGRAM, n_ids), max(thread_len, MIN_NGRAM - 1), -1):
             end = self.maps[n].get(tuple(ids[n_ids - n :]))
@@ -80,37 +85,56 @@ class NgramIndex:
                 start = end
                 break
         self.source, self.at = start, n_ids
-        return list(ids[start : start + k]) if start >= 0 else []
+        self.matched = thread_len if start == thread else common_suffix(ids, start, ids) if start >= 0 else 0
+        if start < 0:
+            return []
+        # A source that runs into the end of ids is a repeat of period n_ids - start (text in a loop, a list's
+        # pattern): the proposal goes on around the loop rather than stopping where ids do.
+        period = n_ids - start
+        return [ids[start + i % period] for i in range(k)] if period < k else list(ids[start : start + k])
+
+
+def match_class(matched: int) -> int:
+    """The rate class of a proposal whose source matched `matched` tokens of the suffix."""
+    return bisect.bisect_right(MATCH_CLASSES, matched) - 1
 
 
 @dataclass
 class SpecState:
     """One request's drafting state (engine thread only). Retraction keeps it: the tokens it indexes stay.
 
-    `rate` estimates the chance that a draft token is kept given that every draft before it was: the planner's
-    model (DraftPlanner.plan). A verify step that kept a of k drafts tested a + 1 of them (the first rejected one
-    ended it) or, when all were kept, k: so the estimate is kept tokens over tested ones, both as moving sums over
-    recent verify steps. (Kept over proposed, a / k, would read 7 drafts of which 4 were kept as 0.57 where the
-    per-token rate is 0.8, and make long drafts look worse the longer they get.)"""
+    `rates[c]` estimates the chance that a draft token of match class c (MATCH_CLASSES) is kept given that every
+    draft before it was: the planner's model (DraftPlanner.plan). A verify step that kept a of k drafts tested a + 1
+    of them (the first rejected one ended it) or, when all were kept, k: so the estimate is kept tokens over tested
+    ones, both as moving sums over the class's recent verify steps. (Kept over proposed, a / k, would read 7 drafts
+    of which 4 were kept as 0.57 where the per-token rate is 0.8, and make long drafts look worse the longer they
+    get.) `cls` is the class of the proposal made this step, which its verify step records."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
-    rate: float = PRIOR_RATE
+    rates: list[float] = field(default_factory=lambda: list(CLASS_PRIORS))
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of which were accepted
     verify_steps: int = 0  # steps in which the request verified at least one draft
     recovery: float = RATE_RECOVERY
-    tested: float = 1.0  # moving sum of tested draft tokens (kept ones are rate * tested)
+    tested: list[float] = field(default_factory=lambda: [1.0] * len(CLASS_PRIORS))  # moving sums of tested drafts
+    cls: int = 0
+
+    @property
+    def rate(self) -> float:
+        """The rate of this step's proposal's class."""
+        return self.rates[self.cls]
 
     def record(self, proposed: int, accepted: int) -> None:
         if proposed:
-            kept = (1 - RATE_EMA) * self.rate * self.tested + RATE_EMA * accepted
-            self.tested = (1 - RATE_EMA) * self.tested + RATE_EMA * tested_drafts(proposed, accepted)
-            self.rate = kept / self.tested
+            c = self.cls
+            kept = (1 - RATE_EMA) * self.rates[c] * self.tested[c] + RATE_EMA * accepted
+            self.tested[c] = (1 - RATE_EMA) * self.tested[c] + RATE_EMA * tested_drafts(proposed, accepted)
+            self.rates[c] = kept / self.tested[c]
             self.proposed += proposed
             self.accepted += accepted
             self.verify_steps += 1
         else:
-            self.rate += (PRIOR_RATE - self.rate) * self.recovery
+            self.rates = [r + (p - r) * self.recovery for r, p in zip(self.rates, CLASS_PRIORS)]
 
 
 def tested_drafts(proposed: int, accepted: int) -> int:
@@ -210,7 +234,8 @@ class Speculator:
         self.drafter = drafter
         self.shared = SharedIndex() if drafter is None and share else None
         self.stats = SpecStats()
-        self.recent_rate = PRIOR_RATE  # EMA of every verify step's acceptance rate, all requests together
+        # Per match class, an EMA of every verify step's acceptance rate, all requests together.
+        self.recent_rates = list(CLASS_PRIORS)
 
     def drafts(self, batch: Sequence[Request], budget: int) -> list[tuple[int, ...]]:
         """Each request's drafts for this step (empty: it decodes one token). A grammar-constrained request's
@@ -220,19 +245,20 @@ class Speculator:
         rooms: list[int] = []
         for req in batch:
             if req.spec is None:  # a new request starts from the acceptance drafts have had lately
-                req.spec = SpecState(rate=self.recent_rate,
+                req.spec = SpecState(rates=list(self.recent_rates),
                                      recovery=RATE_RECOVERY if self.drafter is None else DRAFT_RATE_RECOVERY)
             room = min(self.max_draft, req.max_new_tokens - len(req.output_ids) - 1)  # the step adds one of its own
             rooms.append(max(0, room if self.drafter is None else min(room, self.drafter.room(req))))
-        rates = [req.spec.rate if req.spec is not None else 0.0 for req in batch]
         if self.drafter is None:
             proposals = [_grammar_cut(req, self._lookup(req, room)) if room > 0 else ()
                          for req, room in zip(batch, rooms)]
             if not any(proposals):
                 return self._no_drafts(batch)
+            rates = [req.spec.rate if req.spec is not None else 0.0 for req in batch]
             lengths = self.planner.plan(rates, [len(p) for p in proposals], budget)
             out = [tuple(p[:k]) for p, k in zip(proposals, lengths)]
         else:
+            rates = [req.spec.rate if req.spec is not None else 0.0 for req in batch]
             lengths = self.planner.plan(rates, rooms, budget, self.drafter.cost)
             if not any(lengths):
                 return self._no_drafts(batch)
@@ -247,7 +273,12 @@ class Speculator:
         assert req.spec is not None
         ids = req.all_ids
         own = req.spec.index.propose(ids, k)
-        return own if own or self.shared is None else self.shared.propose(ids, k)
+        if own or self.shared is None:
+            req.spec.cls = match_class(req.spec.index.matched)
+            return own
+        shared = self.shared.propose(ids, k)
+        req.spec.cls = match_class(self.shared.matched)
+        return shared
 
     def forget(self, req: Request) -> None:
         """A request finished: the drafter's state of it goes, and (n-grams) its text joins the shared index."""
@@ -267,7 +298,9 @@ class Speculator:
         assert req.spec is not None
         req.spec.record(proposed, accepted)
         if proposed:
-            self.recent_rate += RECENT_RATE_EMA * (accepted / tested_drafts(proposed, accepted) - self.recent_rate)
+            c = req.spec.cls
+            self.recent_rates[c] += RECENT_RATE_EMA * (accepted / tested_drafts(proposed, accepted)
+                                                       - self.recent_rates[c])
         self.stats.proposed += proposed
         self.stats.accepted += accepted
         self.stats.verify_steps += 1

@@ -21,6 +21,17 @@ SHARED_MAX_TOKENS = 100_000  # ~45 MiB of index (measured with tracemalloc): a f
 SHARED_MAX_SEQUENCE = 8192
 
 
+MATCH_CAP = 8  # how far back a proposal's source is compared with the suffix (engine/speculative.py MATCH_CLASSES)
+
+
+def common_suffix(src: Sequence[int], end: int, ids: Sequence[int]) -> int:
+    """How many tokens before src[end] equal the last ones of ids, up to MATCH_CAP."""
+    n, cap = 0, min(MATCH_CAP, end, len(ids))
+    while n < cap and src[end - 1 - n] == ids[-1 - n]:
+        n += 1
+    return n
+
+
 class SharedIndex:
     """The n-grams of recently finished requests' token sequences (engine thread only)."""
 
@@ -29,6 +40,7 @@ class SharedIndex:
         self.seqs: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, oldest first
         self.tokens = 0
         self._next_id = 0
+        self.matched = 0  # tokens of the last proposal's source that equal the suffix (up to MATCH_CAP)
         # n-gram -> (sequence id, position after the n-gram), the latest occurrence
         self.maps: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {n: {} for n in SHARED_NGRAMS}
 
@@ -49,6 +61,7 @@ class SharedIndex:
 
     def propose(self, ids: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix n-gram of `ids` in an indexed sequence."""
+        self.matched = 0
         if k <= 0:
             return []
         for n, m in self.maps.items():
@@ -57,7 +70,9 @@ class SharedIndex:
             hit = m.get(tuple(ids[len(ids) - n :]))
             if hit is not None:
                 sid, end = hit
-                return self.seqs[sid][end : end + k]
+                seq = self.seqs[sid]
+                self.matched = common_suffix(seq, end, ids)
+                return seq[end : end + k]
         return []
 
     def _drop_oldest(self) -> None:

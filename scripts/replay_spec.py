@@ -1,11 +1,12 @@
 """What n-gram speculation would give on a workload, without a server's noise: replay greedy outputs through the
 engine's own drafter and planner (engine/speculative.py), with measured step costs per bucket.
 
-    .venv/bin/python scripts/replay_spec.py [--workload edit|extract] [--prompts 40] [--clients 1 8]
+    .venv/bin/python scripts/replay_spec.py [--workload edit|extract|free] [--prompts 40] [--clients 1 8]
         [--step-ms 1:5.1,2:6.9,4:9.1,8:11.5,16:20.7,24:30.8,32:35.3] [--outputs FILE]
 
 The greedy outputs of the default model with speculation off (`ember bench`'s edit / extract prompts, built by
-server/bench/copy_workloads.py's functions with the model's tokenizer) are computed once and kept in --outputs.
+server/bench/copy_workloads.py's functions with the model's tokenizer; free: windows of seeded words, as the fixed
+workload's, best with --prompt-len 128) are computed once and kept in --outputs.
 Then, for each client count, the requests run as a queue of that many at a time: every step the Speculator
 proposes and plans drafts for the running ones, each draft is checked against the greedy text (what verification
 keeps, since greedy output with drafts equals it without), and the step costs --step-ms of its bucket
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from engine.speculative import Speculator
 from server.bench.copy_workloads import CODE_GLOBS, DOC_GLOBS, _edit, _extract, _texts
+from server.bench.prompts import _WORDS_PER_PIECE, seeded_text, windows
 
 DEFAULT_STEP_MS = "1:5.1,2:6.9,4:9.1,8:11.5,16:20.7,24:30.8,32:35.3"  # SmolLM2 Q4_1, AMX Xeon (docs/benchmarks.md)
 
@@ -46,9 +48,14 @@ def greedy_outputs(workload: str, count: int, prompt_len: int, max_tokens: int) 
 
     core = EngineCore(EngineConfig(speculative="off", max_running_requests=8, decode_buckets=(1, 2, 4, 8),
                                    background_compile=False).resolved())
-    make, pool = (_edit, _texts(CODE_GLOBS)) if workload == "edit" else (_extract, _texts(DOC_GLOBS))
     rng, prompts = random.Random(0), []
-    for _ in range(count):
+    if workload == "free":  # `ember bench`'s fixed workload: windows of a stream of seeded words
+        stream: list[int] = []
+        while len(stream) < prompt_len + count:
+            stream += core.tokenizer(" " + seeded_text(rng, _WORDS_PER_PIECE), add_special_tokens=False)["input_ids"]
+        prompts = windows(stream, prompt_len, count, 0)
+    make, pool = (_edit, _texts(CODE_GLOBS)) if workload == "edit" else (_extract, _texts(DOC_GLOBS))
+    for _ in range(count - len(prompts)):
         head, body, tail = (core.tokenizer(p, add_special_tokens=False)["input_ids"]
                             for p in make(rng, rng.choice(pool), prompt_len * 5))
         prompts.append(head + body[: prompt_len - len(head) - len(tail)] + tail)
@@ -103,7 +110,7 @@ def plain(pairs: list[list[list[int]]], clients: int, step_ms: dict[int, float])
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["edit", "extract"], default="edit")
+    ap.add_argument("--workload", choices=["edit", "extract", "free"], default="edit")
     ap.add_argument("--prompts", type=int, default=40)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -19,7 +19,8 @@ import pytest
 
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.speculative import PRIOR_RATE, RATE_RECOVERY, DraftPlanner, NgramIndex, SpecState, Speculator
+from engine.speculative import (CLASS_PRIORS, MATCH_CLASSES, RATE_RECOVERY, DraftPlanner, NgramIndex, SpecState,
+                                Speculator, match_class)
 from scheduler_helpers import Arrival, assert_same_streams, run_checked, tiny_engine
 
 
@@ -33,6 +34,25 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     assert NgramIndex().propose([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix 2-gram
     # A longer suffix match wins over a more recent shorter one: [1, 2, 3] at 0 beats [2, 3] at 5.
     assert NgramIndex().propose([1, 2, 3, 4, 6, 2, 3, 5, 1, 2, 3], 2) == [4, 6]
+
+
+def test_a_source_that_runs_into_the_end_goes_on_around_the_loop() -> None:
+    # The latest [8, 9] is 3 tokens back: the text repeats with period 3, and the proposal follows the repeat
+    # past the end of what was there.
+    assert NgramIndex().propose([1, 7, 8, 9, 7, 8, 9], 7) == [7, 8, 9, 7, 8, 9, 7]
+    assert NgramIndex().propose([1, 7, 8, 9, 7, 8, 9], 2) == [7, 8]
+
+
+def test_match_classes_tell_a_copy_in_progress_from_a_fresh_short_match() -> None:
+    text = list(range(100, 120))
+    idx = NgramIndex()
+    assert idx.propose([5, 6, 1, 2, 50, 60, 1, 2], 2) == [50, 60]
+    assert idx.matched == 2 and match_class(idx.matched) == 0
+    copy = [*text, 0, *text[:12]]  # the text quoted again: its last 12 tokens match
+    assert idx.propose(copy, 3) == text[12:15]
+    assert idx.matched == MATCH_CLASSES[-1] and match_class(idx.matched) == len(MATCH_CLASSES) - 1
+    assert [match_class(m) for m in range(MATCH_CLASSES[-1] + 2)] == sorted(
+        match_class(m) for m in range(MATCH_CLASSES[-1] + 2))  # classes rise with the matched length
 
 
 def test_ngram_follows_its_thread_while_the_text_keeps_matching() -> None:
@@ -96,7 +116,20 @@ def test_rate_is_the_chance_a_draft_is_kept_after_the_ones_before_it() -> None:
     assert (copying.proposed, copying.accepted, copying.verify_steps) == (210, 120, 30)
     # A step without drafts relaxes the estimate toward the prior, so a request that stopped drafting tries again.
     failing.record(0, 0)
-    assert 0.005 < failing.rate < PRIOR_RATE
+    assert 0.005 < failing.rate < CLASS_PRIORS[0]
+
+
+def test_each_match_class_keeps_its_own_rate() -> None:
+    state = SpecState()
+    top = len(MATCH_CLASSES) - 1
+    state.cls = 0
+    for _ in range(30):
+        state.record(4, 0)  # fresh short matches keep failing
+    state.cls = top
+    for _ in range(30):
+        state.record(4, 4)  # while copies in progress keep being kept
+    assert state.rates[0] < 0.01 and state.rates[top] > 0.99 and state.rate == state.rates[top]
+    assert state.rates[1:top] == list(CLASS_PRIORS[1:top])  # untouched
 
 
 @dataclass
@@ -118,17 +151,19 @@ class _Req:
 def test_a_new_request_starts_from_the_recent_acceptance() -> None:
     spec = Speculator((1, 2, 4, 8), lambda b: True, max_draft=7)
     spec.planner.step_s.update({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
-    old = _Req([1, 2, 3, 1, 2, 3, 1, 2])
-    assert spec.drafts([old], budget=7) == [(3, 1, 2)]  # what followed the last 4 tokens' earlier occurrence
-    assert old.spec is not None and old.spec.rate == PRIOR_RATE
+    old = _Req([9, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6, 7, 8])
+    assert spec.drafts([old], budget=7) == [(0, 1, 2, 3, 4, 5, 6)]  # a 9-token match: a copy in progress
+    top = len(MATCH_CLASSES) - 1
+    assert old.spec is not None and old.spec.cls == top and old.spec.rate == CLASS_PRIORS[top]
     for _ in range(40):  # every draft it verifies is kept
         spec.verified(old, 6, 6)
+    assert spec.recent_rates[top] > 0.99 and spec.recent_rates[:top] == list(CLASS_PRIORS[:top])
     new = _Req([9, 8, 7])
     spec.drafts([new], budget=7)
-    assert spec.recent_rate > 0.95
-    # (it had nothing to propose, so this step relaxed its rate once toward the prior)
+    # (it had nothing to propose, so this step relaxed its rates once toward the priors)
     assert new.spec is not None
-    assert new.spec.rate == pytest.approx(spec.recent_rate + (PRIOR_RATE - spec.recent_rate) * RATE_RECOVERY)
+    expect = spec.recent_rates[top] + (CLASS_PRIORS[top] - spec.recent_rates[top]) * RATE_RECOVERY
+    assert new.spec.rates[top] == pytest.approx(expect)
 
 
 # ---- whole engines ------------------------------------------------------------------------------------------
