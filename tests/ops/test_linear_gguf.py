@@ -127,6 +127,23 @@ def test_every_path_matches_gguf_dequantize_then_matmul(isa: str, path: str, qty
         check(out, xx.float(), w, qtype, path in ("int8", "wide"), path == "amx")
 
 
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU cannot run the amx linear_gguf path (no AMX-BF16)")
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_amx_weights_are_gguf_values_rounded_to_bf16(qtype: int) -> None:
+    """The AMX path multiplies bf16 activations by each weight as gguf dequantizes it, rounded to nearest even bf16
+    (the 16-row types convert their groups straight to AMX's layout): against that product in float64 only the fp32
+    sums' rounding is left, far below one bf16 step of any weight."""
+    n, k, rows = 37, 1280, 20
+    _, packed, w = _packed(qtype, n, k, seed=7)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)).bfloat16().float()  # fp32 out
+    out = torch.ops.ember.linear_gguf_path(x, packed, qtype, n, "avx512bf16", "amx")
+    wb = w.bfloat16().double()
+    ref = x.double() @ wb.T
+    mag = x.double().abs() @ wb.abs().T
+    err = (out.double() - ref).abs()
+    assert (err <= mag * 2.0 ** -20).all(), f"max error {(err / mag).max().item():.3g} of |x| |w|"
+
+
 def test_auto_paths_follow_the_thresholds() -> None:
     """Few rows take integer dots, then the wide integer path (K-quants on AVX2), then the tile path (or AMX on
     avx512bf16 with AMX), never back."""
