@@ -80,17 +80,16 @@ constexpr int64_t kGgufTileMinRows = 16;
 // 32. 2 threads, ms per layer (q|k|v, o, gate|up, down; scripts/bench_linear.py --paths int8 amx): the 4-row
 // layout's 32-value types (Q5_0, Q5_1; 2026-12-05, then also Q4_0/Q4_1/Q8_0) are epilogue-bound from 8 rows on
 // (Q4_1 5.4 / 10.0 / 15.3 ms at 8 / 16 / 24 rows) while AMX costs about the same at 16 and 24 (9.4 / 10.3): 16.
-// The 16-row layout's int8 dots (Q4_0 / Q4_1 / Q8_0) cost 3.7-5.3 ms at 16 rows, 7.1-8.8 at 32, 13.8-15.5 at 64,
-// against AMX's 8.7-9.3, 8.7-10.0, 11.1-11.7: 40. Since its groups convert straight to AMX's layout
-// (linear_gguf_amx.cpp) a call alone costs 5.4-6.1 ms at 24 rows and 5.5-6.0 at 32, but inside a compiled decode
-// step (scripts/profile_decode.py, SmolLM2 Q4_1 and the 1B Q8_0 at 24 and 32 rows) the step took as long as with
-// int8 dots: a step's other ops (attention, ~0.65 ms a layer at 32 rows) leave AMX idle between its calls, and
-// after 0.5 ms without AMX work a SmolLM2 gate|up call took 204 us against 144 back to back (int8 dots 242 / 209;
-// a 100 us gap cost AMX nothing). So 40 stays, above every decode bucket, and a decode batch computes the same
-// whatever its size. Q4_K 11.1 / 15.2 ms at 48 / 64 rows against 13.5 / 14.9: 64.
+// The 16-row layout's int8 dots (Q4_0 / Q4_1 / Q8_0) cost 3.9-5.1 ms at 16 rows, 5.5-6.9 at 24, 7.4-8.3 at 32,
+// against AMX's 4.2-5.3, 5.4-6.1, 5.5-6.0 since its groups convert straight to AMX's layout (linear_gguf_amx.cpp;
+// 8.7-10.0 at 32 before, when the crossing was 40). In a compiled decode step AMX gains less than alone: the step's
+// other ops leave it idle between calls, and after 0.5 ms without AMX work a SmolLM2 gate|up call took 204 us
+// against 144 back to back (int8 dots 242 / 209). Whole steps (scripts/profile_decode.py): the 1B Q8_0 at 24 rows
+// 141-142 -> 126-127 ms, at 32 172-186 -> 132-135; SmolLM2 Q4_1 at 24 even (33-36 ms), at 32 44.3-44.5 -> 40.0: 24.
+// Q4_K 11.1 / 15.2 ms at 48 / 64 rows against 13.5 / 14.9: 64.
 // The 4-row K-quants' integer dots stay ahead to 24 rows (Q6_K 10.9 vs 11.3): 32.
 inline int64_t gguf_amx_min_rows(int64_t qtype) {
-  return qtype == kQ4_K ? 64 : gguf_x16(qtype) ? 40 : gguf_type_info(qtype).values == 32 ? 16 : 32;
+  return qtype == kQ4_K ? 64 : gguf_x16(qtype) ? 24 : gguf_type_info(qtype).values == 32 ? 16 : 32;
 }
 constexpr int64_t kGgufTileChunk = 512;  // K values per tile (a multiple of 256): 512 x 32 x 4 B = 64 KiB, in L2
 

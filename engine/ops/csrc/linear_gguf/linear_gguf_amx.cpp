@@ -37,8 +37,8 @@ namespace {
 // order, two quarters round to one bf16 vector whose dwords are (row, value pair), and two dword permutes split
 // the 16 rows' even and odd pairs into two rows of the B layout. Per value ~0.2 vector ops, against the generic
 // path's gather of each row's bytes, fp32 rows and transpose: AMX Xeon, 2 threads, a SmolLM2 layer's four calls
-// 0.57-0.66 -> 0.26-0.39 ms at 12-32 rows (Q4_0 / Q4_1 / Q8_0), a Llama-1B layer's 8.7-10.0 -> 5.5-6.0 at 32, a
-// 256-token SmolLM2 Q4_1 prefill 80-82 -> 77-79 ms (scripts/profile_prefill.py).
+// 0.57-0.66 -> 0.26-0.39 ms at 12-32 rows (Q4_0 / Q4_1 / Q8_0), a Llama-1B layer's 8.7-10.0 -> 5.5-6.0 at 32; a
+// 256-token prefill (scripts/profile_prefill.py) of the 1B Q8_0 509 -> 419 ms, of SmolLM2 Q4_1 92-95 -> 87-88.
 // What is left: this conversion (~60 % of the path at 16 rows, shuffle-port bound) and the tile products (at 16
 // rows two dependent chains of tdpbf16ps a block: latency-bound).
 template <int T>
