@@ -39,8 +39,9 @@ namespace {
 // path's gather of each row's bytes, fp32 rows and transpose: AMX Xeon, 2 threads, a SmolLM2 layer's four calls
 // 0.57-0.66 -> 0.26-0.39 ms at 12-32 rows (Q4_0 / Q4_1 / Q8_0), a Llama-1B layer's 8.7-10.0 -> 5.5-6.0 at 32; a
 // 256-token prefill (scripts/profile_prefill.py) of the 1B Q8_0 509 -> 419 ms, of SmolLM2 Q4_1 92-95 -> 87-88.
-// What is left: this conversion (~60 % of the path at 16 rows, shuffle-port bound) and the tile products (at 16
-// rows two dependent chains of tdpbf16ps a block: latency-bound).
+// What is left (perf, one thread, 16 rows): this conversion ~60 % of the path (widening from memory instead of
+// from a register measured no faster) and the tile products ~40 % (at 16 rows a block has only two chains of
+// tdpbf16ps, each waiting on the last).
 template <int T>
 void x16_to_vnni(const GgufLinearArgs& a, int64_t n0, int64_t k0, int64_t kc, uint16_t* vnni) {
   constexpr int bb = T == ember::kQ4_0 ? 18 : T == ember::kQ4_1 ? 20 : 34, hd = T == ember::kQ4_1 ? 64 : 32;
