@@ -23,7 +23,7 @@ from pathlib import Path
 
 from engine.speculative import Speculator
 from server.bench.copy_workloads import CODE_GLOBS, DOC_GLOBS, _edit, _extract, _texts
-from server.bench.prompts import _WORDS_PER_PIECE, seeded_text, windows
+from server.bench.prompts import seeded_piece, windows
 
 DEFAULT_STEP_MS = "1:5.1,2:6.9,4:9.1,8:11.5,16:20.7,24:30.8,32:35.3"  # SmolLM2 Q4_1, AMX Xeon (docs/benchmarks.md)
 
@@ -52,13 +52,14 @@ def greedy_outputs(workload: str, count: int, prompt_len: int, max_tokens: int) 
     if workload == "free":  # `ember bench`'s fixed workload: windows of a stream of seeded words
         stream: list[int] = []
         while len(stream) < prompt_len + count:
-            stream += core.tokenizer(" " + seeded_text(rng, _WORDS_PER_PIECE), add_special_tokens=False)["input_ids"]
+            stream += core.tokenizer(seeded_piece(rng), add_special_tokens=False)["input_ids"]
         prompts = windows(stream, prompt_len, count, 0)
-    make, pool = (_edit, _texts(CODE_GLOBS)) if workload == "edit" else (_extract, _texts(DOC_GLOBS))
-    for _ in range(count - len(prompts)):
-        head, body, tail = (core.tokenizer(p, add_special_tokens=False)["input_ids"]
-                            for p in make(rng, rng.choice(pool), prompt_len * 5))
-        prompts.append(head + body[: prompt_len - len(head) - len(tail)] + tail)
+    else:
+        make, pool = (_edit, _texts(CODE_GLOBS)) if workload == "edit" else (_extract, _texts(DOC_GLOBS))
+        for _ in range(count):
+            head, body, tail = (core.tokenizer(p, add_special_tokens=False)["input_ids"]
+                                for p in make(rng, rng.choice(pool), prompt_len * 5))
+            prompts.append(head + body[: prompt_len - len(head) - len(tail)] + tail)
     outs = core.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     core.close()
     return [[p, o] for p, o in zip(prompts, outs)]

@@ -47,6 +47,11 @@ def seeded_text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
+def seeded_piece(rng: random.Random) -> str:
+    """One piece of the fixed workload's text, as one tokenize call takes it."""
+    return " " + seeded_text(rng, _WORDS_PER_PIECE)
+
+
 async def tokenize(client: httpx.AsyncClient, tok: Tokenizer, model: str | None, text: str) -> list[int] | None:
     body: dict[str, Any] = {tok.body_key: text}
     if tok.body_key == "prompt":
@@ -80,7 +85,7 @@ async def token_stream(client: httpx.AsyncClient, tok: Tokenizer, model: str | N
     rng = random.Random(seed)
     ids: list[int] = []
     while len(ids) < length:
-        piece = await tokenize(client, tok, model, " " + seeded_text(rng, _WORDS_PER_PIECE))
+        piece = await tokenize(client, tok, model, seeded_piece(rng))
         if piece is None:
             raise PromptError(f"{tok.path} stopped answering while building prompts")
         ids.extend(piece)
