@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-old", action="store_true", help="skip ember::linear_q")
-    ap.add_argument("--paths", nargs="*", default=["auto"], help="linear_gguf paths: auto int8 wide tile amx")
+    ap.add_argument("--paths", nargs="*", default=["auto"], help="linear_gguf paths: auto int8 wide tile amx amx8")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     by_name = {v[0]: t for t, v in gb.GGUF_TYPES.items()}
@@ -111,9 +111,11 @@ def main() -> None:
     for tname in args.types:
         qtype = by_name[tname]
         new, old = weights(qtype, args.layers, rng)
-        runs = [(v, t, p) for v, t in tiers.items() for p in args.paths if p != "amx"]
+        runs = [(v, t, p) for v, t in tiers.items() for p in args.paths if p not in ("amx", "amx8")]
         if "amx" in args.paths and torch.ops.ember.isa_has_amx():
             runs.append(("amx", "avx512bf16", "amx"))
+        if "amx8" in args.paths and torch.ops.ember.isa_has_amx_int8() and gb.group_rows(qtype) == 16:
+            runs.append(("amx8", "avx512bf16", "amx8"))
         for variant, tier, path in runs:
             ops = [(f"gguf:{path}" if path != "auto" else "linear_gguf", new,
                     lambda x, w, t=tier, p=path: torch.ops.ember.linear_gguf_path(x, w[0], qtype, w[1], t, p))]

@@ -35,15 +35,20 @@ def _variants() -> list:
 
 VARIANTS = _variants()
 HAS_AMX = bool(NATIVE_OPS and torch.ops.ember.isa_has_amx())
+HAS_AMX8 = bool(NATIVE_OPS and torch.ops.ember.isa_has_amx_int8())
+NO_AMX8 = "this CPU cannot run the amx8 linear_gguf path (no AMX-INT8)"
+X16 = [t for t in TYPES if gb.group_rows(t) == 16]
 
 
 def _paths() -> list:
-    """(tier, path) for every forced path: int8 and tile on each SIMD variant, wide on avx2 (K-quants), amx on the
-    avx512bf16 tier."""
+    """(tier, path) for every forced path: int8 and tile on each SIMD variant, wide on avx2 (K-quants), amx and amx8
+    on the avx512bf16 tier."""
     out = [pytest.param(v.values[0], p, id=f"{v.id}-{p}", marks=v.marks) for v in VARIANTS if v.id != "scalar"
            for p in ("int8", "tile") + (("wide",) if v.id == "avx2" else ())]
     out.append(pytest.param("avx512bf16", "amx", id="amx", marks=() if HAS_AMX else pytest.mark.skip(
         reason="this CPU cannot run the amx linear_gguf path (no AMX-BF16)")))
+    out.append(pytest.param("avx512bf16", "amx8", id="amx8",
+                            marks=() if HAS_AMX8 else pytest.mark.skip(reason=NO_AMX8)))
     return out
 
 
@@ -101,7 +106,7 @@ def test_matches_gguf_dequantize_then_matmul(isa: str, qtype: int, rows: int) ->
     _, packed, w = _packed(qtype, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     path = _auto(qtype, rows, isa)  # many rows: the fp32 tile path on exact weights (or amx)
-    int8, bf16 = path in ("int8", "wide"), path == "amx"
+    int8, bf16 = path in ("int8", "wide", "amx8"), path == "amx"
     check(torch.ops.ember.linear_gguf_isa(x, packed, qtype, n, isa), x, w, qtype, int8, bf16)
     xb = x.bfloat16()
     out = torch.ops.ember.linear_gguf_isa(xb, packed, qtype, n, isa)
@@ -121,10 +126,29 @@ def test_every_path_matches_gguf_dequantize_then_matmul(isa: str, path: str, qty
         with pytest.raises(RuntimeError, match="no wide path"):
             torch.ops.ember.linear_gguf_path(x, packed, qtype, n, isa, path)
         return
+    if path == "amx8" and qtype not in X16:  # the 16-row layout's only
+        with pytest.raises(RuntimeError, match="amx8 path needs"):
+            torch.ops.ember.linear_gguf_path(x, packed, qtype, n, isa, path)
+        return
     for xx in (x, x.bfloat16()):
         out = torch.ops.ember.linear_gguf_path(xx, packed, qtype, n, isa, path)
         assert out.dtype == xx.dtype and out.shape == (rows, n)
-        check(out, xx.float(), w, qtype, path in ("int8", "wide"), path == "amx")
+        check(out, xx.float(), w, qtype, path in ("int8", "wide", "amx8"), path == "amx")
+
+
+@pytest.mark.skipif(not HAS_AMX8, reason=NO_AMX8)
+@pytest.mark.parametrize("qtype", X16, ids=[gb.GGUF_TYPES[t][0] for t in X16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 45])
+def test_amx8_is_the_int8_path_bit_for_bit(qtype: int, rows: int) -> None:
+    """The AMX-INT8 tiles make the int8 path's exact integer dots and the same float epilogue: equal outputs, so a
+    decode batch's size never changes a row's result where the path switches."""
+    n, k = 45, 1536  # a padded last group; 6 K-quant blocks, 48 32-value blocks (a partial batch of 4)
+    _, packed, _ = _packed(qtype, n, k, seed=rows + 7)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    for xx in (x, x.bfloat16()):
+        int8 = torch.ops.ember.linear_gguf_path(xx, packed, qtype, n, "avx512bf16", "int8")
+        amx8 = torch.ops.ember.linear_gguf_path(xx, packed, qtype, n, "avx512bf16", "amx8")
+        assert torch.equal(int8, amx8), (int8.double() - amx8.double()).abs().max().item()
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU cannot run the amx linear_gguf path (no AMX-BF16)")
@@ -145,15 +169,17 @@ def test_amx_weights_are_gguf_values_rounded_to_bf16(qtype: int) -> None:
 
 
 def test_auto_paths_follow_the_thresholds() -> None:
-    """Few rows take integer dots, then the wide integer path (K-quants on AVX2), then the tile path (or AMX on
-    avx512bf16 with AMX), never back."""
-    order = {"int8": 0, "wide": 1, "tile": 2, "amx": 3}
+    """Few rows take integer dots, then the wide integer path (K-quants on AVX2), then the tile path (or on
+    avx512bf16 with AMX: AMX-INT8 tiles for the 16-row types, then bf16 AMX), never back."""
+    order = {"int8": 0, "wide": 1, "tile": 2, "amx8": 3, "amx": 4}
     for tier in SUPPORTED_ISAS:
         for qtype in TYPES:
             seq = [order[_auto(qtype, r, tier)] for r in range(1, 200)]
             assert seq == sorted(seq) and seq[0] == 0, (tier, qtype)
             if tier == "avx512bf16" and HAS_AMX:
-                assert seq[-1] == 3
+                assert seq[-1] == 4 or (HAS_AMX8 and qtype in X16 and seq[-1] == 3), (qtype, seq[-1])
+                if HAS_AMX8 and qtype in X16:  # the tiles take the 16-row types' decode batches
+                    assert _auto(qtype, 16, tier) == "amx8"
             if str(torch.ops.ember.linear_gguf_variant(tier)) == "avx2" and qtype in K_QUANTS and \
                     gb.group_rows(qtype) == 4:  # (a 16-row Q4_K has no wide path: its int8 path has the rows in lanes)
                 assert _auto(qtype, 63, tier) == "int8" and _auto(qtype, 64, tier) == "wide", (tier, qtype)

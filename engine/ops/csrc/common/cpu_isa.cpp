@@ -17,7 +17,7 @@ namespace {
 struct Features {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false, avx512vnni = false;
-  bool amx_tile = false, amx_bf16 = false;
+  bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
   bool os_ymm = false, os_zmm = false, os_amx = false;
 };
 
@@ -44,6 +44,7 @@ Features read_features() {
     f.avx512vnni = c & (1u << 11);
     f.amx_bf16 = d & (1u << 22);
     f.amx_tile = d & (1u << 24);
+    f.amx_int8 = d & (1u << 25);
   }
   if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512bf16 = a & (1u << 5);
   return f;
@@ -98,6 +99,11 @@ bool cpu_has_amx_bf16() {
   return has;
 }
 
+bool cpu_has_amx_int8() {
+  static const bool has = cpu_has_amx_bf16() && read_features().amx_int8;  // the tile-data grant is the same one
+  return has;
+}
+
 std::vector<Isa> supported_isas() {
   static const std::vector<Isa> tiers = [] {
     const Features f = read_features();
@@ -145,6 +151,7 @@ std::vector<std::string> isa_supported_op() {
 
 std::string isa_active_op() { return isa_name(active_isa()); }
 bool isa_has_amx_op() { return cpu_has_amx_bf16(); }
+bool isa_has_amx_int8_op() { return cpu_has_amx_int8(); }
 std::string isa_select_op(const std::string& name) { return isa_name(select_isa(name)); }
 
 }  // namespace
@@ -155,4 +162,5 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("isa_active() -> str", &ember::isa_active_op);
   m.def("isa_select(str name) -> str", &ember::isa_select_op);
   m.def("isa_has_amx() -> bool", &ember::isa_has_amx_op);
+  m.def("isa_has_amx_int8() -> bool", &ember::isa_has_amx_int8_op);
 }

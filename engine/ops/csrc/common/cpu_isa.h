@@ -26,6 +26,9 @@ bool cpu_has_avx512_vnni();
 // (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), requested once on the first call): picks the AMX many-row
 // paths of ember::linear_gguf and ember::linear_bf16 (common/amx_bf16.h).
 bool cpu_has_amx_bf16();
+// Whether it also has AMX-INT8 tiles (every AMX CPU so far): ember::linear_gguf's integer tile path for the
+// 16-row layout (linear_gguf/linear_gguf_amx8.h).
+bool cpu_has_amx_int8();
 // Parses a tier name ("scalar", "avx2", "avx512", "avx512bf16"); throws for unknown or unsupported tiers.
 Isa parse_isa(const std::string& name);
 

@@ -127,7 +127,7 @@ int64_t checked_k(const at::Tensor& packed, int64_t qtype, int64_t n) {
 }
 
 // Which kernel family a call runs: by the CPU's features and the row count (kAuto), or forced (tests, benchmarks).
-enum class Path { kAuto, kInt8, kWide, kTile, kAmx };
+enum class Path { kAuto, kInt8, kWide, kTile, kAmx, kAmx8 };
 
 Path parse_path(const std::string& p) {
   if (p == "auto") return Path::kAuto;
@@ -135,13 +135,20 @@ Path parse_path(const std::string& p) {
   if (p == "wide") return Path::kWide;
   if (p == "tile") return Path::kTile;
   if (p == "amx") return Path::kAmx;
-  TORCH_CHECK(false, "linear_gguf: path must be auto, int8, wide, tile or amx, got ", p);
+  if (p == "amx8") return Path::kAmx8;
+  TORCH_CHECK(false, "linear_gguf: path must be auto, int8, wide, tile, amx or amx8, got ", p);
 }
 
 // AMX runs on the avx512bf16 tier of a CPU with AMX-BF16 (every such CPU has that tier).
 bool amx_for(Isa isa) { return isa == Isa::kAvx512Bf16 && cpu_has_amx_bf16(); }
+// AMX-INT8 likewise, for the 16-row types (its epilogue is the avx512vnni variant's: every AMX CPU has VNNI).
+bool amx8_for(Isa isa, int64_t qtype) {
+  return amx_for(isa) && cpu_has_amx_int8() && cpu_has_avx512_vnni() && gguf_x16(qtype);
+}
 
 Path auto_path(const GgufKernel& kernel, Isa isa, int64_t qtype, int64_t rows) {
+  if (amx8_for(isa, qtype) && rows >= gguf_amx8_rows(qtype).first && rows < gguf_amx8_rows(qtype).second)
+    return Path::kAmx8;
   if (amx_for(isa) && rows >= gguf_amx_min_rows(qtype)) return Path::kAmx;
   if (kernel.run_block_tile != nullptr && rows >= kernel.tile_min_rows) return Path::kTile;
   if (kernel.run_block_wide != nullptr && rows >= kernel.wide_min_rows) return Path::kWide;
@@ -168,6 +175,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
               " tier has no wide path for type ", qtype);
   TORCH_CHECK(path != Path::kAmx || amx_for(isa), "linear_gguf: the AMX path needs the avx512bf16 tier of a CPU "
               "with AMX-BF16 (this CPU: ", cpu_has_amx_bf16() ? "has AMX" : "no AMX", ")");
+  TORCH_CHECK(path != Path::kAmx8 || amx8_for(isa, qtype), "linear_gguf: the amx8 path needs the avx512bf16 tier "
+              "of a CPU with AMX-INT8 and a 16-row type (Q4_0, Q4_1, Q8_0, Q4_K), got type ", qtype, " on ",
+              isa_name(isa), cpu_has_amx_int8() ? "" : " (this CPU: no AMX-INT8)");
   if (path == Path::kAmx) {
     // bf16 activations padded with zero rows to a multiple of 16 (AMX tiles are 16 rows).
     const int64_t rows_pad = (rows + 15) / 16 * 16;
@@ -194,11 +204,13 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
   } else {
     quantize(xf, rows, k, gguf_type_info(qtype).values, kernel.lane_offset, acts);
     if (path == Path::kWide) transpose_tiles(rows, k, acts);
+    if (path == Path::kAmx8) acts.q.resize((rows + 15) / 16 * 16 * acts.ldq, 0);  // whole 16-row A tiles
     args.x = {acts.q.data(), acts.d.data(), acts.bsum.data(), acts.off.data(), acts.msum.data(),
               acts.kt.empty() ? nullptr : acts.kt.data(), acts.ktp.empty() ? nullptr : acts.ktp.data(),
               acts.s32.empty() ? nullptr : acts.s32.data(), acts.ldq};
   }
-  const auto run_block = tile ? kernel.run_block_tile : path == Path::kWide ? kernel.run_block_wide : kernel.run_block;
+  const auto run_block = tile ? kernel.run_block_tile : path == Path::kWide ? kernel.run_block_wide
+                         : path == Path::kAmx8 ? linear_gguf_amx8_block(qtype) : kernel.run_block;
   parallel_blocks((n + kGgufBlockRows - 1) / kGgufBlockRows, gguf_scratch_floats(rows, tile),
                   [&](int64_t b, float* scratch) { run_block(args, b, scratch); });
   return out;
@@ -227,6 +239,7 @@ std::string linear_gguf_auto_path(int64_t qtype, int64_t rows, const std::string
   TORCH_CHECK(gguf_type_info(qtype).values != 0, "linear_gguf: unsupported ggml type ", qtype);
   switch (auto_path(kernel_for(t, qtype), t, qtype, rows)) {
     case Path::kAmx: return "amx";
+    case Path::kAmx8: return "amx8";
     case Path::kTile: return "tile";
     case Path::kWide: return "wide";
     default: return "int8";

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 namespace ember {
 
@@ -91,6 +92,18 @@ constexpr int64_t kGgufTileMinRows = 16;
 inline int64_t gguf_amx_min_rows(int64_t qtype) {
   return qtype == kQ4_K ? 64 : gguf_x16(qtype) ? 24 : gguf_type_info(qtype).values == 32 ? 16 : 32;
 }
+// AMX-INT8 CPUs, the 16-row types: the amx8 path (linear_gguf_amx8.h) for rows in [first, second), ahead of both
+// the int8 dots and bf16 AMX (gguf_amx_min_rows applies above). AMX Xeon, 2 threads, GB/s of a Llama-1B layer's
+// four calls (scripts/bench_linear.py --types Q4_0 Q4_1 Q8_0 Q4_K --rows ... --paths int8 amx amx8 --layers 4),
+// int8 / amx8 / bf16 AMX: at 8 rows Q4_1 16.6 / 13.4 / 8.6; at 12 Q4_1 12.1 / 13.1, Q8_0 15.7 / 15.3; at 16
+// Q4_0 8.4 / 11.1 / 6.8, Q4_1 9.0 / 11.3 / 8.3, Q8_0 12.2 / 14.2 / 12.1, Q4_K 7.9 / 10.3 / 2.7; at 24 Q4_1 6.2 /
+// 6.9 / 6.6, Q8_0 9.2 / 10.2 / 9.8; at 32 Q4_1 4.8 / 6.0 / 6.7, Q8_0 7.2 / 9.3 / 9.9, Q4_K 4.4 / 5.3 / 2.4; Q4_K at
+// 64 2.2 / 3.1 / 2.3, at 128 1.2 / 1.6 / 1.8. (Each activation row costs amx8 its own epilogue; bf16 AMX's
+// weight conversion is shared by all rows, so it wins from 32 rows, Q4_K's from 128.)
+inline std::pair<int64_t, int64_t> gguf_amx8_rows(int64_t qtype) {
+  if (!gguf_x16(qtype)) return {0, 0};
+  return {12, qtype == kQ4_K ? 128 : 32};
+}
 constexpr int64_t kGgufTileChunk = 512;  // K values per tile (a multiple of 256): 512 x 32 x 4 B = 64 KiB, in L2
 
 // x quantized: row m, activation block j (32 or 256 values) of K.
@@ -154,6 +167,11 @@ GgufBlockFn linear_gguf_amx_block(int64_t qtype);
 inline int64_t gguf_amx_scratch_floats(int64_t rows_pad) {
   return kGgufBlockRows * kGgufTileChunk + kGgufTileChunk * kGgufBlockRows / 2 + rows_pad * kGgufBlockRows;
 }
+
+// AMX-INT8 path of the 16-row types (linear_gguf_amx8.h; null for other types): the int8 path's activations and
+// exact integer dots in tiles, the same results bit for bit. CPUs where cpu_has_amx_int8(); activations padded
+// with zero rows to a multiple of 16.
+GgufBlockFn linear_gguf_amx8_block(int64_t qtype);
 
 GgufKernel linear_gguf_kernel_scalar(int64_t qtype);
 GgufKernel linear_gguf_kernel_avx2(int64_t qtype);

@@ -7,7 +7,8 @@
 #include <immintrin.h>
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+// AMX-TILE and AMX-INT8 for linear_gguf_amx8.h only (the compiler emits tile instructions only from intrinsics).
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
 
 #include "common/simd_avx512.h"
 #include "linear_gguf/linear_gguf_policy256.h"
@@ -108,5 +109,18 @@ struct X16Avx512 : GAvx512 {  // 16 rows a zmm, GAvx512's arithmetic; Q8_0 made 
 
 ember::GgufKernel ember::linear_gguf_kernel_avx512vnni(int64_t qtype) {
   return GgufKernels<GAvx512, Avx512, X16Avx512>::make(qtype);
+}
+
+#include "linear_gguf/linear_gguf_amx8.h"
+
+ember::GgufBlockFn ember::linear_gguf_amx8_block(int64_t qtype) {
+  using A = X16Amx8<X16Avx512>;
+  switch (qtype) {
+    case kQ4_0: return A::run_block<kQ4_0>;
+    case kQ4_1: return A::run_block<kQ4_1>;
+    case kQ8_0: return A::run_block<kQ8_0>;
+    case kQ4_K: return A::run_block_q4k;
+    default: return nullptr;
+  }
 }
 #pragma GCC pop_options
