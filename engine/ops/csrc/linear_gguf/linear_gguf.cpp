@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,7 @@ struct QuantizedActs {
   std::vector<float> d, msum;
   std::vector<int16_t> bsum, s32;
   std::vector<int32_t> off;
+  std::vector<int8_t> q32;  // the amx8 path's A tiles
   std::vector<float> kt;
   std::vector<int16_t> ktp;
 };
@@ -204,10 +206,17 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
   } else {
     quantize(xf, rows, k, gguf_type_info(qtype).values, kernel.lane_offset, acts);
     if (path == Path::kWide) transpose_tiles(rows, k, acts);
-    if (path == Path::kAmx8) acts.q.resize((rows + 15) / 16 * 16 * acts.ldq, 0);  // whole 16-row A tiles
+    if (path == Path::kAmx8) {  // GgufActs::q32: the A tiles
+      const int64_t rows_pad = (rows + 15) / 16 * 16;
+      acts.q32.assign(k * rows_pad, 0);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < k / 32; ++j)
+          std::memcpy(acts.q32.data() + (j * rows_pad + m) * 32, acts.q.data() + m * acts.ldq + 32 * j, 32);
+      args.rows_pad = rows_pad;
+    }
     args.x = {acts.q.data(), acts.d.data(), acts.bsum.data(), acts.off.data(), acts.msum.data(),
               acts.kt.empty() ? nullptr : acts.kt.data(), acts.ktp.empty() ? nullptr : acts.ktp.data(),
-              acts.s32.empty() ? nullptr : acts.s32.data(), acts.ldq};
+              acts.s32.empty() ? nullptr : acts.s32.data(), acts.ldq, acts.q32.empty() ? nullptr : acts.q32.data()};
   }
   const auto run_block = tile ? kernel.run_block_tile : path == Path::kWide ? kernel.run_block_wide
                          : path == Path::kAmx8 ? linear_gguf_amx8_block(qtype) : kernel.run_block;

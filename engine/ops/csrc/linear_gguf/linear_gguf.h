@@ -127,6 +127,9 @@ struct GgufActs {
   // Row stride of q: K, plus a cache line when several rows share the call (common/row_stride.h: rows of a stride
   // that is a multiple of 4 KiB share one L1 set).
   int64_t ldq;
+  // The amx8 path only: q again as AMX A tiles, [K / 32, rows rounded up to 16, 32] (zero rows past `rows`), so a
+  // tile of 16 rows x one 32-value block is 512 contiguous bytes (8 cache lines, not parts of 16). Else nullptr.
+  const int8_t* q32 = nullptr;
 };
 
 constexpr int kGgufRowTile = 8;      // activation rows sharing each decoded weight vector (linear_gguf_body.h)

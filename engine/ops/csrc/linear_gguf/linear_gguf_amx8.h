@@ -103,7 +103,7 @@ struct X16Amx8 {
   static void run_block(const GgufLinearArgs& a, int64_t block, float*) {
     constexpr bool q8 = T == ember::kQ8_0;
     constexpr int bb = D::template bytes<T>(), hd = T == ember::kQ4_1 ? 64 : 32;
-    const int64_t nb = a.k / 32, group_bytes = 16 * nb * bb, ldq = a.x.ldq, batches = (nb + kC - 1) / kC;
+    const int64_t nb = a.k / 32, group_bytes = 16 * nb * bb, batches = (nb + kC - 1) / kC, tile = 32 * a.rows_pad;  // bytes of one block's A tiles
     const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
     alignas(64) int32_t c[2][kC][256];
     alignas(64) uint8_t split_b[2][kC][512];
@@ -120,7 +120,7 @@ struct X16Amx8 {
           for (int i = 0; i < n; ++i) {
             const uint8_t* blk = g + (b0 + i) * 16 * bb;
             if (m0 == 0) D::prefetch(blk, 16 * bb);
-            xs[i] = a.x.q + m0 * ldq + 32 * (b0 + i);
+            xs[i] = a.x.q32 + (b0 + i) * tile + 32 * m0;
             if constexpr (q8) {
               bs[i] = blk + hd;
             } else {
@@ -129,7 +129,7 @@ struct X16Amx8 {
               bs[i] = sp;
             }
           }
-          products<q8>(n, xs, ldq, bs, c[t & 1]);
+          products<q8>(n, xs, 32, bs, c[t & 1]);
         };
         F acc[16];
         for (int m = 0; m < 16; ++m) acc[m] = P::zero();
@@ -137,20 +137,17 @@ struct X16Amx8 {
         for (int64_t t = 0; t < batches; ++t) {
           if (t + 1 < batches) issue(t + 1);
           const int64_t b0 = t * kC;
-          for (int i = 0; i < g_min64(kC, nb - b0); ++i) {
-            F dw, mw;
-            D::template dm32<T>(g + (b0 + i) * 16 * bb, 0, dw, mw);
-            const int32_t* ci = c[t & 1][i];
-            const auto epilogue = [&](int64_t m) {
-              acc[m] = D::template scale32<T>(P::load(reinterpret_cast<const uint8_t*>(ci + 16 * m)), dw, mw, a.x,
-                                              (m0 + m) * nb + b0 + i, acc[m]);
-            };
-            if (mt == 16) {  // unrolled: the accumulators stay in registers
-#pragma GCC unroll 16
-              for (int m = 0; m < 16; ++m) epilogue(m);
-            } else {
-              for (int64_t m = 0; m < mt; ++m) epilogue(m);
-            }
+          const int n = static_cast<int>(g_min64(kC, nb - b0));
+          F dw[kC], mw[kC];
+          for (int i = 0; i < n; ++i) D::template dm32<T>(g + (b0 + i) * 16 * bb, 0, dw[i], mw[i]);
+          // Per activation row, the batch's blocks in order (the int8 path's order of float operations): its
+          // accumulator is loaded and stored once a batch, not once a block.
+          for (int64_t m = 0; m < mt; ++m) {
+            F r = acc[m];
+            for (int i = 0; i < n; ++i)
+              r = D::template scale32<T>(P::load(reinterpret_cast<const uint8_t*>(c[t & 1][i] + 16 * m)), dw[i],
+                                         mw[i], a.x, (m0 + m) * nb + b0 + i, r);
+            acc[m] = r;
           }
         }
         store_rows(a, m0, mt, gi, n1, acc);
@@ -164,7 +161,7 @@ struct X16Amx8 {
   // in int32 as the int8 path's sum8_scaled, then scale_q4k; batches pipelined as above.
   static void run_block_q4k(const GgufLinearArgs& a, int64_t block, float*) {
     constexpr int bb = 144;
-    const int64_t nsb = a.k / 256, group_bytes = 16 * nsb * bb, ldq = a.x.ldq;
+    const int64_t nsb = a.k / 256, group_bytes = 16 * nsb * bb, tile = 32 * a.rows_pad;  // bytes of one block's A tiles
     const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
     alignas(64) int32_t c[2][kC][256];
     alignas(64) uint8_t split_b[2][8][512];
@@ -188,10 +185,10 @@ struct X16Amx8 {
           const int8_t* xs[kC];
           const uint8_t* bs[kC];
           for (int i = 0; i < kC; ++i) {
-            xs[i] = a.x.q + m0 * ldq + 256 * sb + 32 * (4 * h + i);
+            xs[i] = a.x.q32 + (8 * sb + 4 * h + i) * tile + 32 * m0;
             bs[i] = split_b[sb & 1][4 * h + i];
           }
-          products<false>(kC, xs, ldq, bs, c[t & 1]);
+          products<false>(kC, xs, 32, bs, c[t & 1]);
         };
         F acc[16];
         I isum[16];
