@@ -58,26 +58,24 @@ struct X16Amx8 {
   _tile_loadd(A, x[C], ldq);             \
   _tile_loadd(B, b[C], 64);              \
   DP(C, A, B)
+#define EMBER_AMX8_PRODUCTS(DP)                          \
+  EMBER_AMX8_PRODUCT(0, 4, 6, DP);                        \
+  if (n > 1) { EMBER_AMX8_PRODUCT(1, 5, 7, DP); }         \
+  _tile_stored(0, out[0], 64);                            \
+  if (n > 2) { EMBER_AMX8_PRODUCT(2, 4, 6, DP); }         \
+  if (n > 1) _tile_stored(1, out[1], 64);                 \
+  if (n > 3) { EMBER_AMX8_PRODUCT(3, 5, 7, DP); }         \
+  if (n > 2) _tile_stored(2, out[2], 64);                 \
+  if (n > 3) _tile_stored(3, out[3], 64)
   template <bool kSigned>
   static void products(int n, const int8_t* const* x, int64_t ldq, const uint8_t* const* b, int32_t (*out)[256]) {
     if constexpr (kSigned) {
-      EMBER_AMX8_PRODUCT(0, 4, 6, _tile_dpbssd);
-      if (n > 1) { EMBER_AMX8_PRODUCT(1, 5, 7, _tile_dpbssd); }
-      _tile_stored(0, out[0], 64);
-      if (n > 2) { EMBER_AMX8_PRODUCT(2, 4, 6, _tile_dpbssd); }
-      if (n > 1) _tile_stored(1, out[1], 64);
-      if (n > 3) { EMBER_AMX8_PRODUCT(3, 5, 7, _tile_dpbssd); }
+      EMBER_AMX8_PRODUCTS(_tile_dpbssd);
     } else {
-      EMBER_AMX8_PRODUCT(0, 4, 6, _tile_dpbsud);
-      if (n > 1) { EMBER_AMX8_PRODUCT(1, 5, 7, _tile_dpbsud); }
-      _tile_stored(0, out[0], 64);
-      if (n > 2) { EMBER_AMX8_PRODUCT(2, 4, 6, _tile_dpbsud); }
-      if (n > 1) _tile_stored(1, out[1], 64);
-      if (n > 3) { EMBER_AMX8_PRODUCT(3, 5, 7, _tile_dpbsud); }
+      EMBER_AMX8_PRODUCTS(_tile_dpbsud);
     }
-    if (n > 2) _tile_stored(2, out[2], 64);
-    if (n > 3) _tile_stored(3, out[3], 64);
   }
+#undef EMBER_AMX8_PRODUCTS
 #undef EMBER_AMX8_PRODUCT
 
   // 64 bytes of 4-bit codes to two B rows' worth: low nibbles at lo, high ones at hi.
