@@ -6,9 +6,10 @@
 //
 // Why it is cheap: a group's chunk c (16 rows x 4 bytes, values 4c..4c+3 of each row's block) is one row of AMX's
 // B layout, so Q8_0's 8 chunks are a B tile as they lie in memory and the 4-bit types' split into low and high
-// nibbles with 8 vector ops a block; an activation block is an A tile where it lies. One tile product does 16 x 16
-// x 32 multiply-adds; per block and activation row what is left is the epilogue (load, convert, 2-3 FMAs), against
-// 8 vpdpbusd + 8 broadcasts + the same epilogue on the int8 path.
+// nibbles with 8 vector ops a block; the driver lays the quantized activations out as A tiles (GgufActs::q32). One
+// tile product does 16 x 16 x 32 multiply-adds; per block and activation row what is left is the epilogue (load,
+// convert, 2-3 FMAs), against 8 vpdpbusd + 8 broadcasts + the same epilogue on the int8 path. What bounds it: one
+// int32 C tile stored and read back per 32-value block (each block has its own scales), and that epilogue.
 // Included at the end of linear_gguf_avx512vnni.cpp, inside its target region (AMX-TILE and AMX-INT8 added), over
 // that file's 16-row policy. Only run where cpu_has_amx_int8().
 #pragma once
@@ -24,8 +25,8 @@ struct alignas(64) Amx8Config {
 };
 
 // Tiles 0-3: C, 16 activation rows x 16 weight rows of int32; 4-5: A, 16 activation rows x one 32-value block
-// (int8); 6-7: B, one block of a group (8 chunks of 64 bytes). Rows past the call's are zeros (the driver pads
-// the activations to 16 rows) and their results are not read.
+// (int8); 6-7: B, one block of a group (8 chunks of 64 bytes). Rows past the call's are zeros (GgufActs::q32 is
+// padded to 16 rows) and their results are not read.
 inline void amx8_begin() {
   Amx8Config cfg{};
   cfg.palette = 1;
@@ -49,7 +50,7 @@ struct X16Amx8 {
   static_assert(P::L == 16, "one group is one zmm of rows");
   static constexpr int kC = 4;  // C tiles: blocks (or Q4_K sub-blocks) whose products are in flight at once
 
-  // C tiles 0..n-1 = the A blocks x[i] (16 rows, stride ldq) times the B blocks b[i] (8 x 64 bytes), stored to
+  // C tiles 0..n-1 = the A blocks x[i] (16 rows, row stride ldq) times the B blocks b[i] (8 x 64 bytes), stored to
   // out[i]. Each store is issued after the next product (a store waits for its product; 2-3 % faster than each
   // store straight after its product).
   // GCC's tile intrinsics paste their tile numbers into the instruction's text: literals only, hence the macros.
@@ -101,7 +102,8 @@ struct X16Amx8 {
   static void run_block(const GgufLinearArgs& a, int64_t block, float*) {
     constexpr bool q8 = T == ember::kQ8_0;
     constexpr int bb = D::template bytes<T>(), hd = T == ember::kQ4_1 ? 64 : 32;
-    const int64_t nb = a.k / 32, group_bytes = 16 * nb * bb, batches = (nb + kC - 1) / kC, tile = 32 * a.rows_pad;  // bytes of one block's A tiles
+    const int64_t nb = a.k / 32, group_bytes = 16 * nb * bb, batches = (nb + kC - 1) / kC;
+    const int64_t tile = 32 * a.rows_pad;  // bytes of one block's A tiles
     const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
     alignas(64) int32_t c[2][kC][256];
     alignas(64) uint8_t split_b[2][kC][512];
@@ -159,7 +161,7 @@ struct X16Amx8 {
   // in int32 as the int8 path's sum8_scaled, then scale_q4k; batches pipelined as above.
   static void run_block_q4k(const GgufLinearArgs& a, int64_t block, float*) {
     constexpr int bb = 144;
-    const int64_t nsb = a.k / 256, group_bytes = 16 * nsb * bb, tile = 32 * a.rows_pad;  // bytes of one block's A tiles
+    const int64_t nsb = a.k / 256, group_bytes = 16 * nsb * bb, tile = 32 * a.rows_pad;  // a sub-block's A tiles
     const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
     alignas(64) int32_t c[2][kC][256];
     alignas(64) uint8_t split_b[2][8][512];
