@@ -18,16 +18,22 @@ struct alignas(64) TileConfig {
 };
 }  // namespace
 
-void ember::amx_begin() {
+void ember::amx_config(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
   TileConfig cfg{};
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
+    cfg.colsb[t] = colsb[t];
+    cfg.rows[t] = rows[t];
   }
   // GCC 12 does not see ldtilecfg read the struct and drops the stores above without this barrier.
   __asm__ __volatile__("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
+}
+
+void ember::amx_begin() {
+  static constexpr uint8_t kRows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  static constexpr uint16_t kColsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+  amx_config(kRows, kColsb);
 }
 
 void ember::amx_end() { _tile_release(); }

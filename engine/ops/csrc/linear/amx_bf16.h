@@ -15,6 +15,9 @@ namespace ember {
 // must sit between amx_begin() and amx_end() (which releases the tiles: other code, oneDNN, configures its own).
 void amx_begin();
 void amx_end();
+// Loads this thread's tile configuration with tile t of rows[t] rows x colsb[t] bytes (amx_begin's is 16 x 64 for
+// all 8): for tile kernels of other shapes (linear_gguf/linear_gguf_amx8.h). Released by amx_end().
+void amx_config(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]);
 
 // c[m, 32] (fp32, row stride 32) = (first ? 0 : c) + a[m, kc] @ b[kc, 32] in bf16 products, fp32 sums.
 // a: bf16 bits, row stride lda values, m a multiple of 16 (pad rows with zeros), kc a multiple of 32.

@@ -149,8 +149,8 @@ bool amx8_for(Isa isa, int64_t qtype) {
 }
 
 Path auto_path(const GgufKernel& kernel, Isa isa, int64_t qtype, int64_t rows) {
-  if (amx8_for(isa, qtype) && rows >= gguf_amx8_rows(qtype).first && rows < gguf_amx8_rows(qtype).second)
-    return Path::kAmx8;
+  const auto [amx8_from, amx8_below] = gguf_amx8_rows(qtype);
+  if (amx8_for(isa, qtype) && rows >= amx8_from && rows < amx8_below) return Path::kAmx8;
   if (amx_for(isa) && rows >= gguf_amx_min_rows(qtype)) return Path::kAmx;
   if (kernel.run_block_tile != nullptr && rows >= kernel.tile_min_rows) return Path::kTile;
   if (kernel.run_block_wide != nullptr && rows >= kernel.wide_min_rows) return Path::kWide;

@@ -14,29 +14,18 @@
 // that file's 16-row policy. Only run where cpu_has_amx_int8().
 #pragma once
 
+#include "linear/amx_bf16.h"
 #include "linear_gguf/linear_gguf_x16_dots.h"
 
 namespace {
-
-struct alignas(64) Amx8Config {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Tiles 0-3: C, 16 activation rows x 16 weight rows of int32; 4-5: A, 16 activation rows x one 32-value block
 // (int8); 6-7: B, one block of a group (8 chunks of 64 bytes). Rows past the call's are zeros (GgufActs::q32 is
 // padded to 16 rows) and their results are not read.
 inline void amx8_begin() {
-  Amx8Config cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = t >= 4 && t < 6 ? 32 : 64;
-    cfg.rows[t] = t >= 6 ? 8 : 16;
-  }
-  // GCC 12 does not see ldtilecfg read the struct and drops the stores above without this barrier.
-  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  static constexpr uint8_t kRows[8] = {16, 16, 16, 16, 16, 16, 8, 8};
+  static constexpr uint16_t kColsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
+  ember::amx_config(kRows, kColsb);
 }
 
 template <class P>
@@ -153,7 +142,7 @@ struct X16Amx8 {
         store_rows(a, m0, mt, gi, n1, acc);
       }
     }
-    _tile_release();
+    ember::amx_end();
   }
 
   // The same for Q4_K: per 256-value block, its 8 sub-blocks as two batches of tile products (chunks 8j.. of the
@@ -215,7 +204,7 @@ struct X16Amx8 {
         store_rows(a, m0, mt, gi, n1, acc);
       }
     }
-    _tile_release();
+    ember::amx_end();
   }
 };
 
