@@ -11,7 +11,7 @@ from isa_tiers import EVERY
 
 def _setup(dtype: torch.dtype, lens: list[int], heads: int = 8, kv_heads: int = 2, dim: int = 32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    b, slots_total, ctx = len(lens), 600, 128
+    b, slots_total, ctx = len(lens), max(600, sum(lens)), max(128, max(lens))
     k_cache = torch.randn(slots_total + 1, kv_heads, dim, generator=g).to(dtype)
     v_cache = torch.randn(slots_total + 1, kv_heads, dim, generator=g).to(dtype)
     table = torch.zeros(b + 1, ctx, dtype=torch.int32)
@@ -71,9 +71,10 @@ def test_verify_rows_of_one_request_attend_each_to_its_own_length(dtype: torch.d
     """A request's verify rows share one request row: each sees exactly the context up to its own position, its own
     K/V and the drafts before it (all rows' K/V are written before any attends), as a lone decode row would."""
     # 8 rows of one request alone, then mixed: single rows, runs of 3 and 5, one run crossing a 16-key block; then
-    # 8 rows past 100 positions beside a run of 2.
+    # 8 rows past 100 positions beside a run of 2; 12 rows (three runs) across the 1024-position chunk boundary; a
+    # run across the second boundary beside a lone row.
     for layout in ([list(range(30, 38))], [[9], [20, 21, 22], [1], [60, 61, 62, 63, 64], [15, 16, 17]],
-                   [list(range(100, 108)), [40, 41]]):
+                   [list(range(100, 108)), [40, 41]], [list(range(1018, 1030))], [list(range(2046, 2052)), [300]]):
         q, k, v, kc, vc, slots, table, rows, seq = _verify_rows(layout, dtype, heads, kv_heads, dim)
         kc2, vc2 = kc.clone(), vc.clone()
         got = torch.ops.ember.decode_attention_isa(q, k, v, kc, vc, slots, table, rows, seq, 0.17, isa)
@@ -87,6 +88,47 @@ def test_verify_rows_of_one_request_attend_each_to_its_own_length(dtype: torch.d
                                                        table, rows[i:i + 1], seq[i:i + 1], 0.17, isa)
             assert torch.equal(one, got[i:i + 1]), f"row {i} of {layout}"
 
+
+
+@pytest.mark.parametrize("isa", EVERY)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (2, 1, 80)])
+def test_contexts_of_many_chunks_match_reference(dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int,
+                                                 isa: str) -> None:
+    """Contexts past one kernel call's 1024 positions are attended in chunks whose partial softmaxes are combined:
+    lengths at, just past and well past the chunk boundaries, each request alone (its chunks spread over the
+    threads) and all together (a task per request and KV head)."""
+    lens = [1024, 1025, 2100, 3000, 2049, 40]
+    q, k, v, kc, vc, slots, table, rows, seq = _setup(dtype, lens, heads, kv_heads, dim, seed=3)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = torch.ops.ember.decode_attention_isa(q, k, v, kc, vc, slots, table, rows, seq, 0.17, isa)
+    want = attention.reference_decode_attention(q, k, v, kc2, vc2, slots, table, rows, seq, 0.17)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for i in range(len(lens)):  # to the bit: how the chunks were spread does not change a row's output
+        one = torch.ops.ember.decode_attention_isa(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc, slots[i:i + 1],
+                                                   table, rows[i:i + 1], seq[i:i + 1], 0.17, isa)
+        assert torch.equal(one, got[i:i + 1]), f"request of {lens[i]} positions"
+
+
+def test_a_long_request_alone_is_spread_over_threads_with_the_same_bits() -> None:
+    """One request of a 3-KV-head model has 3 (request, head) tasks for 2 threads; its chunks become tasks of their
+    own. Its output equals the one computed with a thread, and with a batch big enough not to spread."""
+    q, k, v, kc, vc, slots, table, rows, seq = _setup(torch.bfloat16, [2500] + [300] * 11, 9, 3, 64, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            outs.append(torch.ops.ember.decode_attention(q[:1], k[:1], v[:1], kc, vc, slots[:1], table, rows[:1],
+                                                         seq[:1], 0.125))
+        torch.set_num_threads(2)
+        batch = torch.ops.ember.decode_attention(q, k, v, kc, vc, slots, table, rows, seq, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs) and torch.equal(batch[:1], outs[0])
+    want = attention.reference_decode_attention(q[:1], k[:1], v[:1], kc.clone(), vc.clone(), slots[:1], table,
+                                                rows[:1], seq[:1], 0.125)
+    torch.testing.assert_close(outs[0].float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_decode_attention_equals_dense_sdpa() -> None:

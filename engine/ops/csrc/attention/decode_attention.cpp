@@ -13,11 +13,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
 #include <type_traits>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "attention/decode_attention.h"
@@ -77,8 +79,46 @@ void attend_scalar(const float* qf, int64_t G, int64_t D, const C* kp, const C* 
 
 // Rows of one request at consecutive positions that share one task (decode_attention.h's AttendOne): enough that a
 // verify step's K/V rows are read a few times rather than once per row, few enough that a one-request step still
-// has tasks for every thread.
+// has tasks for every thread (8 rows in one task measured slower than two tasks of 4 for SmolLM2's 3 KV heads).
 constexpr int64_t kMergeRows = 4;
+
+// Positions one kernel call covers at most. A query's output is combined from its chunks' partial softmaxes, always
+// in chunk order by one function (combine), so its bits depend on its own positions alone, not on how the chunks
+// were spread over threads nor on its batch mates: a verify row still equals the same row decoded alone. Each
+// chunk restarts the kernel's prefetch stream, which cost 5-15 % at 8-32 requests with 256-position chunks.
+constexpr int64_t kChunkKeys = 1024;
+// Below this many (run, KV head) tasks a thread, chunks become tasks of their own: a lone request of a model with
+// 3 KV heads (SmolLM2) otherwise keeps one of two threads idle a third of the time, and one long request a KV head
+// runs on one thread.
+constexpr int64_t kTasksPerThread = 4;
+
+// out [GQ, D] = sum over chunks of acc_c e^(m_c - M) / sum of s_c e^(m_c - M), chunks in order, M the largest m_c
+// of the chunks the query sees (stats [nch, GQ, 2] = (m, s); s = 0: it sees none of that chunk, skipped, so no
+// infinity is ever computed with: the build has -ffast-math). One body (noinline), so every caller rounds alike.
+__attribute__((noinline)) void combine(int64_t nch, int64_t GQ, int64_t D, const float* acc, const float* stats,
+                                       float* out) {
+  for (int64_t g = 0; g < GQ; ++g) {
+    float M = 0.f;
+    bool any = false;
+    for (int64_t c = 0; c < nch; ++c) {
+      const float* st = stats + (c * GQ + g) * 2;
+      if (st[1] > 0.f) M = any ? std::max(M, st[0]) : st[0], any = true;
+    }
+    float S = 0.f;
+    float* o = out + g * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t c = 0; c < nch; ++c) {
+      const float* st = stats + (c * GQ + g) * 2;
+      if (!(st[1] > 0.f)) continue;
+      const float w = std::exp(st[0] - M);
+      S += st[1] * w;
+      const float* a = acc + (c * GQ + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += a[d] * w;
+    }
+    const float inv = 1.f / S;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
 
 // T: the activations' type (q, out); C: the cache's (T itself, or int8_t for the int8 cache).
 template <typename T, typename C>
@@ -102,47 +142,134 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const Raw* kraw = reinterpret_cast<const Raw*>(kp);
   const Raw* vraw = reinterpret_cast<const Raw*>(vp);
 
-  // One task per (run of rows, kv head): a run is one row, or up to kMergeRows rows of one request at consecutive
-  // positions (a verify step's last token and drafts, engine/speculative.py), whose G query heads each share every
-  // K/V row they read. The portable loop takes rows one at a time.
-  std::vector<int64_t> run_start;
+  // Runs: one row, or up to kMergeRows rows of one request at consecutive positions (a verify step's last token and
+  // drafts, engine/speculative.py), whose G query heads each share every K/V row they read. The portable loop takes
+  // rows one at a time. first_chunk[r]: run r's first chunk of kChunkKeys positions, counted over all runs.
+  std::vector<int64_t> run_start, first_chunk{0};
   for (int64_t b = 0; b < B; ++b) {
     const bool joins = fast != nullptr && b > 0 && rows[b] == rows[b - 1] && lens[b] == lens[b - 1] + 1 &&
                        b - run_start.back() < kMergeRows;
-    if (!joins) run_start.push_back(b);
+    if (joins) {
+      first_chunk.back() = first_chunk[first_chunk.size() - 2] + (lens[b] + kChunkKeys - 1) / kChunkKeys;
+    } else {
+      run_start.push_back(b);
+      first_chunk.push_back(first_chunk.back() + (lens[b] + kChunkKeys - 1) / kChunkKeys);
+    }
   }
-  const int64_t runs = static_cast<int64_t>(run_start.size());
+  const int64_t runs = static_cast<int64_t>(run_start.size()), chunks = first_chunk.back();
   run_start.push_back(B);
-  at::parallel_for(0, runs * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, scores, kv_row(D);
-    std::vector<int64_t> qlen;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / KVH, kh = task % KVH, b0 = run_start[r], nr = run_start[r + 1] - b0;
-      const int64_t L = lens[b0 + nr - 1], GQ = G * nr;  // the run's last row sees the most positions
-      const int32_t* slots = table + rows[b0] * ctx;
-      qf.resize(GQ * D);
-      acc.resize(GQ * D);
-      qlen.resize(GQ);
-      for (int64_t i = 0; i < nr; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const T* qrow = qp + ((b0 + i) * H + kh * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = to_f(qrow[d]) * fscale;
-          qlen[i * G + g] = lens[b0 + i];
-        }
-      if (fast != nullptr) {
-        scores.resize(GQ * ((L + 15) / 16 * 16) + GQ + GQ * D);
-        fast(qf.data(), GQ, kraw, vraw, slots, L, KVH * R, kh, scores.data(), acc.data(),
-             nr > 1 ? qlen.data() : nullptr);
-      } else {
-        attend_scalar<C>(qf.data(), G, D, kp, vp, slots, L, KVH, kh, scores, kv_row.data(), acc.data());
+  // A task: (run, KV head), all its chunks, combined on the spot; or, with few of those, (chunk, KV head), its
+  // partials kept in acc_all / stats_all and combined once all tasks are done.
+  const bool spread = fast != nullptr && chunks > runs && runs * KVH < kTasksPerThread * at::get_num_threads();
+  const int64_t GQmax = G * kMergeRows;
+  std::unique_ptr<float[]> acc_all(spread ? new float[chunks * KVH * GQmax * D] : nullptr);
+  std::unique_ptr<float[]> stats_all(spread ? new float[chunks * KVH * GQmax * 2] : nullptr);
+  // spread: the run of each chunk, and the chunks in the order threads take them: every full chunk before the
+  // shorter last ones, so that the threads finish together (taken one at a time, see below).
+  std::vector<int64_t> chunk_run, order;
+  for (int64_t r = 0; spread && r < runs; ++r) {
+    chunk_run.insert(chunk_run.end(), first_chunk[r + 1] - first_chunk[r], r);
+    for (int64_t c = first_chunk[r]; c < first_chunk[r + 1] - 1; ++c) order.push_back(c);
+  }
+  for (int64_t r = 0; spread && r < runs; ++r) order.push_back(first_chunk[r + 1] - 1);
+
+  // Run r's query heads of KV head kh as fp32 (pre-scaled) and each one's length.
+  const auto gather_q = [&](int64_t r, int64_t kh, std::vector<float>& qf, std::vector<int64_t>& qlen) {
+    const int64_t b0 = run_start[r], nr = run_start[r + 1] - b0;
+    qf.resize(G * nr * D);
+    qlen.resize(G * nr);
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qrow = qp + ((b0 + i) * H + kh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = to_f(qrow[d]) * fscale;
+        qlen[i * G + g] = lens[b0 + i];
       }
-      for (int64_t i = 0; i < nr; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          T* orow = op + ((b0 + i) * H + kh * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[(i * G + g) * D + d]);
+  };
+  // Chunk c (of run r's) of KV head kh into acc / stats ([GQ, D], [GQ, 2]).
+  const auto chunk = [&](int64_t r, int64_t kh, int64_t c, const std::vector<float>& qf,
+                         const std::vector<int64_t>& qlen, std::vector<int64_t>& qc, std::vector<float>& scores,
+                         float* acc, float* stats) {
+    const int64_t b0 = run_start[r], nr = run_start[r + 1] - b0, GQ = G * nr;
+    const int64_t L = lens[b0 + nr - 1], l0 = c * kChunkKeys, Lc = std::min(kChunkKeys, L - l0);
+    qc.resize(GQ);
+    for (int64_t i = 0; i < GQ; ++i) qc[i] = std::clamp<int64_t>(qlen[i] - l0, 0, Lc);
+    scores.resize(GQ * ((Lc + 15) / 16 * 16) + GQ + GQ * D);
+    fast(qf.data(), GQ, kraw, vraw, table + rows[b0] * ctx + l0, Lc, KVH * R, kh, scores.data(), acc, stats,
+         nr > 1 ? qc.data() : nullptr);
+  };
+  // res: [GQ, D], normalised, or (stats given) one chunk's partial, whose combine is res / sum: the same bits.
+  const auto write_out = [&](int64_t r, int64_t kh, const float* res, const float* stats) {
+    const int64_t b0 = run_start[r], nr = run_start[r + 1] - b0;
+    for (int64_t i = 0; i < nr; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        T* orow = op + ((b0 + i) * H + kh * G + g) * D;
+        const float* x = res + (i * G + g) * D;
+        if (stats != nullptr) {
+          const float inv = 1.f / stats[(i * G + g) * 2 + 1];
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(x[d] * inv);
+        } else {
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(x[d]);
         }
+      }
+  };
+
+  if (spread) {  // few tasks of unequal sizes: each thread takes the next chunk until none is left
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      std::vector<float> qf, scores;
+      std::vector<int64_t> qlen, qc;
+      for (int64_t t = next++; t < chunks * KVH; t = next++) {
+        const int64_t c = order[t / KVH], kh = t % KVH, r = chunk_run[c], at = c * KVH + kh;
+        gather_q(r, kh, qf, qlen);
+        chunk(r, kh, c - first_chunk[r], qf, qlen, qc, scores, acc_all.get() + at * GQmax * D,
+              stats_all.get() + at * GQmax * 2);
+      }
+    });
+  }
+  at::parallel_for(0, spread ? 0 : runs * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, stats, res, scores, kv_row(D);
+    std::vector<int64_t> qlen, qc;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kh = task % KVH, r = task / KVH, b0 = run_start[r], nr = run_start[r + 1] - b0, GQ = G * nr;
+      gather_q(r, kh, qf, qlen);
+      res.resize(GQ * D);
+      if (fast == nullptr) {
+        attend_scalar<C>(qf.data(), G, D, kp, vp, table + rows[b0] * ctx, lens[b0], KVH, kh, scores, kv_row.data(),
+                         res.data());
+        write_out(r, kh, res.data(), nullptr);
+        continue;
+      }
+      const int64_t nch = first_chunk[r + 1] - first_chunk[r];
+      acc.resize(nch * GQ * D);
+      stats.resize(nch * GQ * 2);
+      for (int64_t c = 0; c < nch; ++c)
+        chunk(r, kh, c, qf, qlen, qc, scores, acc.data() + c * GQ * D, stats.data() + c * GQ * 2);
+      if (nch == 1) {  // (most calls: contexts up to kChunkKeys)
+        write_out(r, kh, acc.data(), stats.data());
+      } else {
+        combine(nch, GQ, D, acc.data(), stats.data(), res.data());
+        write_out(r, kh, res.data(), nullptr);
+      }
     }
   });
+  if (!spread) return;
+  // The spread chunks' partials, per (run, KV head): gathered to [nch, GQ, ...] in chunk order, then combined.
+  std::vector<float> acc, stats, res;
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t nch = first_chunk[r + 1] - first_chunk[r], GQ = G * (run_start[r + 1] - run_start[r]);
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      acc.resize(nch * GQ * D);
+      stats.resize(nch * GQ * 2);
+      for (int64_t c = 0; c < nch; ++c) {
+        const int64_t at = (first_chunk[r] + c) * KVH + kh;
+        std::copy_n(acc_all.get() + at * GQmax * D, GQ * D, acc.data() + c * GQ * D);
+        std::copy_n(stats_all.get() + at * GQmax * 2, GQ * 2, stats.data() + c * GQ * 2);
+      }
+      res.resize(GQ * D);
+      combine(nch, GQ, D, acc.data(), stats.data(), res.data());
+      write_out(r, kh, res.data(), nullptr);
+    }
+  }
 }
 
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,

@@ -25,15 +25,19 @@ inline float q8_scale(const T* row, int64_t D) {
   return s;
 }
 
-// One request and one KV head: the G queries sharing that KV head attend over its L positions: the query heads of
-// one row, or of several rows of the request at consecutive positions (a speculative verify step's last token and
-// drafts), query g over its first qlen[g] positions (qlen nullptr: all L), so each K/V row is read once for all.
+// One request and one KV head over one chunk of its positions: the G queries sharing that KV head attend over the
+// chunk's L positions (slots: the chunk's first): the query heads of one row, or of several rows of the request at
+// consecutive positions (a speculative verify step's last token and drafts), query g over the chunk's first qlen[g]
+// positions (qlen nullptr: all L; 0: none), so each K/V row is read once for all.
 // qf: [G, D] fp32, pre-scaled. k/v: the layer's cache, row of (slot, kv head kh) at
 // (slot * kv_stride + kh * (D + row_extra<T>())).
-// scores: scratch of G * round_up(L, 16) + G + G * D floats. out: [G, D] fp32, normalised.
+// scores: scratch of G * round_up(L, 16) + G + G * D floats. The result is a partial softmax, for the driver to
+// combine over chunks: out [G, D] fp32 = sum over the chunk of e^(score - m) v, and stats [G, 2] = (m, sum of
+// e^(score - m)), m the query's largest score in the chunk (-inf and a sum of 0 where it sees none of it).
 template <typename T>
 using AttendOne = void (*)(const float* qf, int64_t G, const T* k, const T* v, const int32_t* slots, int64_t L,
-                           int64_t kv_stride, int64_t kh, float* scores, float* out, const int64_t* qlen);
+                           int64_t kv_stride, int64_t kh, float* scores, float* out, float* stats,
+                           const int64_t* qlen);
 
 // Kernels by head size; nullptr where a head size has none (the driver then runs the portable loop).
 struct AttentionKernels {

@@ -1,5 +1,6 @@
-// Decode attention for one (request, KV head), written once over a vector type V (common/simd_*.h) and included by
-// decode_attention_avx2.cpp and decode_attention_avx512.cpp inside their ISA's target region.
+// Decode attention for one (request, KV head) over one chunk of its positions (a partial softmax, decode_attention.h),
+// written once over a vector type V (common/simd_*.h) and included by decode_attention_avx2.cpp and
+// decode_attention_avx512.cpp inside their ISA's target region.
 // Scores W keys at a time (one dot product per lane, finished by one transposing reduction), softmax numerators
 // with a vector exp, then probs . V with the query heads' accumulators in registers.
 // Every K and V row is widened to fp32 once for all G query heads, so a key costs about G * D / W multiply-adds each
@@ -80,7 +81,8 @@ struct AttentionBody {
 
   template <int NC, typename T>  // head_dim = NC * W
   static void attend_one(const float* qf, int64_t G, const T* kp, const T* vp, const int32_t* slots, int64_t L,
-                         int64_t kv_stride, int64_t kh, float* scores, float* out, const int64_t* qlen) {
+                         int64_t kv_stride, int64_t kh, float* scores, float* out, float* stats,
+                         const int64_t* qlen) {
     constexpr int64_t D = NC * W;
     constexpr int64_t kQ8 = ember::row_extra<T>();  // 4: int8 / fp8 caches, each row's fp32 scale after its values
     constexpr int64_t RB = (D + kQ8) * sizeof(T);  // a row's bytes, what the prefetches cover
@@ -89,8 +91,7 @@ struct AttentionBody {
     constexpr int CV = pass_chunks(NC, 4);  // V chunks per pass, so GV heads' accumulators fit in registers
     constexpr int GV = (V::kRegisters - 8) / CV > 0 ? (V::kRegisters - 8) / CV : 1;
     const int64_t Lp = (L + 15) / 16 * 16;
-    float* inv = scores + G * Lp;
-    float* q = inv + G;  // [G, D]: qf with each chunk's lanes in widen()'s order
+    float* q = scores + G * Lp + G;  // [G, D]: qf with each chunk's lanes in widen()'s order
     for (int64_t g = 0; g < G; ++g)
       for (int c = 0; c < NC; ++c)
         for (int i = 0; i < W; ++i) q[g * D + c * W + i] = qf[g * D + element<NC, T>(c, i)];
@@ -132,8 +133,9 @@ struct AttentionBody {
       }
     }
     const F neg_inf = V::set1(-__builtin_inff());
-    // Softmax numerators in place, the 1 / sum applied to the output. Positions past a query's own length get 0, so
-    // the values pass below adds exact zeros for them: a row's output has the same bits as when it runs alone.
+    // Softmax numerators in place; the driver divides by the sum once every chunk is in. Positions past a query's
+    // own length get 0, so the values pass below adds exact zeros for them: a row's output has the same bits as
+    // when it runs alone.
     for (int64_t g = 0; g < G; ++g) {
       float* sg = scores + g * Lp;
       const int64_t Lg = qlen != nullptr ? qlen[g] : L;
@@ -146,25 +148,25 @@ struct AttentionBody {
         V::store(sg + l0, e);
         sum = V::add(sum, e);
       }
-      inv[g] = 1.0f / V::hsum(sum);
+      stats[2 * g] = V::hmax(m);
+      stats[2 * g + 1] = V::hsum(sum);
     }
     // out = probs . V: CV chunks of up to GV heads at a time, their accumulators in registers; a pass reads only its
     // chunks' bytes of each row (a bf16 row of 128 elements is four cache lines, a pass of 4 chunks two of them).
     for (int c0 = 0; c0 < NC; c0 += CV)
       for (int64_t g0 = 0; g0 < G; g0 += GV)
-        values<NC, CV, GV, T>(min64(GV, G - g0), scores + g0 * Lp, Lp, inv + g0, vbase, slots, L, kv_stride, c0,
-                              g0 == 0, out + g0 * D);
+        values<NC, CV, GV, T>(min64(GV, G - g0), scores + g0 * Lp, Lp, vbase, slots, L, kv_stride, c0, g0 == 0,
+                              out + g0 * D);
   }
 
   // One pass of probs . V: chunks c0 .. c0 + CV of GN heads' outputs (GN <= GMAX picked at run time, so that every
   // pass has its accumulators in registers: a run-time head count makes the compiler keep them on the stack).
   // first: the first head group of these chunks, which starts their prefetch stream.
   template <int NC, int CV, int GMAX, typename T>
-  static void values(int64_t gn, const float* probs, int64_t Lp, const float* inv, const T* vbase,
-                     const int32_t* slots, int64_t L, int64_t kv_stride, int c0, bool first, float* out) {
+  static void values(int64_t gn, const float* probs, int64_t Lp, const T* vbase, const int32_t* slots, int64_t L,
+                     int64_t kv_stride, int c0, bool first, float* out) {
     if constexpr (GMAX > 1) {
-      if (gn < GMAX)
-        return values<NC, CV, GMAX - 1, T>(gn, probs, Lp, inv, vbase, slots, L, kv_stride, c0, first, out);
+      if (gn < GMAX) return values<NC, CV, GMAX - 1, T>(gn, probs, Lp, vbase, slots, L, kv_stride, c0, first, out);
     }
     constexpr int GN = GMAX;
     constexpr int64_t D = NC * W;
@@ -189,15 +191,14 @@ struct AttentionBody {
       }
     }
     for (int g = 0; g < GN; ++g) {
-      const F s = V::set1(inv[g]);
       float* og = out + g * D;
       for (int c = 0; c < CV; ++c) {
         if constexpr (IsBf16<T>::value) {
           alignas(64) float lanes[W];
-          V::store(lanes, V::mul(acc[g][c], s));
+          V::store(lanes, acc[g][c]);
           for (int i = 0; i < W; ++i) og[element<NC, T>(c0 + c, i)] = lanes[i];
         } else {
-          V::store(og + (c0 + c) * W, V::mul(acc[g][c], s));
+          V::store(og + (c0 + c) * W, acc[g][c]);
         }
       }
     }
