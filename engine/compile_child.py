@@ -22,12 +22,36 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 from engine.config import EngineConfig
 
 log = logging.getLogger("ember.compile")
 
 CHILD_SLOTS = 61  # the child's KV pool (a prime, so it matches no other size of the graph); any size loads later
 READY = "ready"
+# Besides its copy of the weights: the interpreter, torch, Inductor's compile of one bucket and the tiny pool.
+CHILD_OVERHEAD_BYTES = 1 << 30
+
+
+class NoRoomForChild(RuntimeError):
+    """A compile child would not fit in memory beside the server: the buckets stay eager (see room_for_child)."""
+
+
+def room_for_child(weight_bytes: int, server_growth_bytes: int, available_bytes: int | None = None) -> str | None:
+    """None if a compile child fits in memory now, else why not.
+
+    The child builds its own runner, so it holds a second copy of the weights (the prepared copy, or the checkpoint
+    itself where the prepared copy has no weights, as for a bf16 GGUF). server_growth_bytes: what the server may
+    still take (its KV pool's pages become resident as they fill). A Llama-3.1-8B-shaped bf16 GGUF (13.7 GiB) on a
+    24 GiB machine got the server OOM-killed the moment its child had loaded. Compiling in the server instead
+    holds both cores and the GIL for minutes (requests then crawl), so the caller serves those buckets eagerly."""
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    need = weight_bytes + server_growth_bytes + CHILD_OVERHEAD_BYTES
+    if available >= need:
+        return None
+    return (f"a compile child needs {need / 2**30:.1f} GiB (its own {weight_bytes / 2**30:.1f} GiB of weights, the "
+            f"server's KV pool still to fill, 1 GiB of its own) and {available / 2**30:.1f} GiB are available")
 
 
 def child_env() -> dict[str, str]:

@@ -38,6 +38,7 @@ import torch
 
 from torch import nn
 
+from engine.compile_child import NoRoomForChild
 from engine.files import write_atomically
 from engine.forward_batch import DECODE_INPUTS, ForwardBatch
 
@@ -234,6 +235,11 @@ class DecodeGraphs:
                 if code != 0 and not self._stop.is_set():
                     why = f"it exited with status {code}"
             child.stop(timeout=10.0)  # closes its pipes
+        except NoRoomForChild as exc:  # nor room for a compile here: these buckets run eagerly (same tokens)
+            log.warning("decode buckets %s not compiled: %s; they run eagerly. `ember compile` with the same flags, "
+                        "run while no server holds the memory, saves their steps for the next start", order, exc)
+            self.compile_finished.set()
+            return
         except Exception as exc:  # could not start it, or a broken pipe: the thread takes over
             why = f"{type(exc).__name__}: {exc}"
         if self._stop.is_set():

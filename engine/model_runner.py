@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from engine import huge_pages
-from engine.compile_child import CompileChild
+from engine.compile_child import CompileChild, NoRoomForChild, room_for_child
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs, DecodeStepModule
 from engine.forward_batch import ForwardBatch
@@ -180,7 +180,15 @@ class ModelRunner:
         if not self.config.background_compile or artifact_dir is None:
             return None
         config = self.config
-        return lambda buckets: CompileChild.start(config, buckets, artifact_dir)
+
+        def spawn(buckets: list[int]) -> CompileChild:
+            pool = sum(t.numel() * t.element_size() for t in (*self.kv_pool.k, *self.kv_pool.v))
+            why = room_for_child(self.weight_bytes, pool)
+            if why is not None:
+                raise NoRoomForChild(why)
+            return CompileChild.start(config, buckets, artifact_dir)
+
+        return spawn
 
     def _decode_artifact_dir(self) -> Path | None:
         """Where the saved decode steps live: a folder named after everything a compiled step depends on (torch,

@@ -149,14 +149,16 @@ def health(base: str) -> int:
 
 
 def compiled(base: str) -> bool:
-    """Every decode bucket of an Ember server is compiled (it serves, slower, while they compile)."""
+    """Every decode bucket of an Ember server is compiled (it serves, slower, while they compile), or the server has
+    stopped compiling (buckets it left eager: no memory for a compile child)."""
     try:
         with urllib.request.urlopen(f"{base}/get_server_info", timeout=5) as r:
             info = json.loads(r.read())
     except OSError:
         return False
     draft = info.get("speculative", {}).get("draft_compiled_buckets")  # a draft model compiles its own
-    return bool(info["compiled_buckets"] == info["decode_buckets"]) and draft in (None, info["decode_buckets"])
+    done = info["compiled_buckets"] == info["decode_buckets"] or info.get("compiling") is False
+    return bool(done) and draft in (None, info["decode_buckets"])
 
 
 def start(name: str, port: int, cache_dir: Path, log: Path, ember_isa: str | None = None,

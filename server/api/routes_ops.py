@@ -117,6 +117,9 @@ async def server_info(request: Request) -> dict[str, Any]:
         "compiled": info.compiled,
         # Buckets ready to run now (with --compile-in-background the rest are still compiling, largest first).
         "compiled_buckets": list(stats.ready_buckets),
+        # Still compiling in the background; false once every bucket is in, or the rest are left eager (no memory
+        # for a compile child, see the log)
+        "compiling": state.engine.compiling,
         "compile_seconds": {str(b): round(s, 3) for b, s in stats.compile_seconds},
         # How each ready bucket got there: "loaded" (a saved step), "compiled" (in this process), "compile child"
         "bucket_sources": {str(b): how for b, how in stats.bucket_sources},

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch._dynamo
 
-from engine.compile_child import CompileChild
+from engine.compile_child import CompileChild, NoRoomForChild, room_for_child
 from engine.config import EngineConfig
 from engine.decode_graphs import EAGER, DecodeGraphs
 from engine.loader import open_checkpoint
@@ -146,3 +146,45 @@ def test_a_failed_compile_child_leaves_the_buckets_to_the_thread(make_tiny_model
     runner.graphs = graphs
     assert ManualBatch(runner, PROMPTS).decode(6) == want
     assert graphs.steps_per_bucket[4] == 6
+
+
+def test_no_room_for_a_compile_child_leaves_the_buckets_eager(make_tiny_model: Callable[..., Path],
+                                                              tmp_path: Path) -> None:
+    """Where a compile child would not fit beside the server, nothing compiles here either (that would stall serving
+    for minutes): the buckets run eagerly, with the same tokens."""
+    folder = make_tiny_model("llama")
+    want = ManualBatch(make_runner(folder, compile=False), PROMPTS).decode(6)
+    torch._dynamo.reset()
+    config = EngineConfig(model=str(folder), dtype="float32", max_total_tokens=2048, max_running_requests=4,
+                          decode_buckets=(2, 4), disable_compile=True)
+    runner = ModelRunner(config, open_checkpoint(str(folder)))
+
+    def no_room(buckets: list[int]) -> CompileChild:
+        raise NoRoomForChild("a compile child needs 9.0 GiB and 1.0 GiB are available")
+
+    graphs = DecodeGraphs(runner.graphs.step, (2, 4), True, artifact_dir=tmp_path / "steps")
+    graphs.capture(runner.req_pool.table, runner.k_caches, runner.v_caches, background=True, spawn_child=no_room)
+    assert graphs.compile_finished.wait(60)
+    assert graphs.ready_buckets == [] and not list(tmp_path.glob("steps/*.bin"))
+    runner.graphs = graphs
+    assert ManualBatch(runner, PROMPTS).decode(6) == want
+
+
+def test_room_for_a_compile_child_counts_its_weights_and_the_servers_pool(make_tiny_model: Callable[..., Path],
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    gib = 2**30
+    assert room_for_child(4 * gib, 2 * gib, available_bytes=8 * gib) is None
+    why = room_for_child(14 * gib, 2 * gib, available_bytes=9 * gib)
+    assert why is not None and "17.0 GiB" in why and "9.0 GiB are available" in why
+    # The server's spawner asks before it starts a child (here: as if 64 MiB were left).
+    config = EngineConfig(model=str(make_tiny_model("llama")), dtype="float32", max_total_tokens=2048,
+                          max_running_requests=4, decode_buckets=(2,), compile_cache_dir=str(tmp_path),
+                          disable_compile=True, background_compile=True)
+    runner = ModelRunner(config, open_checkpoint(config.model))
+    runner.graphs.artifact_dir = tmp_path / "steps"
+    spawn = runner._compile_child_spawner()
+    assert spawn is not None
+    monkeypatch.setattr("engine.compile_child.psutil.virtual_memory", lambda: type("M", (), {"available": 2**26})())
+    with pytest.raises(NoRoomForChild, match="are available"):
+        spawn([2])
