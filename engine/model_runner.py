@@ -182,8 +182,7 @@ class ModelRunner:
         config = self.config
 
         def spawn(buckets: list[int]) -> CompileChild:
-            pool = sum(t.numel() * t.element_size() for t in (*self.kv_pool.k, *self.kv_pool.v))
-            why = room_for_child(self.weight_bytes, pool)
+            why = room_for_child(self.weight_bytes, self.kv_bytes_per_token * self.kv_pool.num_slots)
             if why is not None:
                 raise NoRoomForChild(why)
             return CompileChild.start(config, buckets, artifact_dir)

@@ -93,26 +93,27 @@ constexpr int64_t kChunkKeys = 1024;
 constexpr int64_t kTasksPerThread = 4;
 
 // out [GQ, D] = sum over chunks of acc_c e^(m_c - M) / sum of s_c e^(m_c - M), chunks in order, M the largest m_c
-// of the chunks the query sees (stats [nch, GQ, 2] = (m, s); s = 0: it sees none of that chunk, skipped, so no
-// infinity is ever computed with: the build has -ffast-math). One body (noinline), so every caller rounds alike.
-__attribute__((noinline)) void combine(int64_t nch, int64_t GQ, int64_t D, const float* acc, const float* stats,
-                                       float* out) {
+// of the chunks the query sees. Chunk c's partials: acc + c * acc_stride ([GQ, D]) and stats + c * stats_stride
+// ([GQ, 2] = (m, s); s = 0: it sees none of that chunk, skipped, so no infinity is ever computed with: the build has
+// -ffast-math). One body (noinline), so every caller rounds alike.
+__attribute__((noinline)) void combine(int64_t nch, int64_t GQ, int64_t D, const float* acc, int64_t acc_stride,
+                                       const float* stats, int64_t stats_stride, float* out) {
   for (int64_t g = 0; g < GQ; ++g) {
     float M = 0.f;
     bool any = false;
     for (int64_t c = 0; c < nch; ++c) {
-      const float* st = stats + (c * GQ + g) * 2;
+      const float* st = stats + c * stats_stride + g * 2;
       if (st[1] > 0.f) M = any ? std::max(M, st[0]) : st[0], any = true;
     }
     float S = 0.f;
     float* o = out + g * D;
     std::fill(o, o + D, 0.f);
     for (int64_t c = 0; c < nch; ++c) {
-      const float* st = stats + (c * GQ + g) * 2;
+      const float* st = stats + c * stats_stride + g * 2;
       if (!(st[1] > 0.f)) continue;
       const float w = std::exp(st[0] - M);
       S += st[1] * w;
-      const float* a = acc + (c * GQ + g) * D;
+      const float* a = acc + c * acc_stride + g * D;
       for (int64_t d = 0; d < D; ++d) o[d] += a[d] * w;
     }
     const float inv = 1.f / S;
@@ -247,26 +248,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       if (nch == 1) {  // (most calls: contexts up to kChunkKeys)
         write_out(r, kh, acc.data(), stats.data());
       } else {
-        combine(nch, GQ, D, acc.data(), stats.data(), res.data());
+        combine(nch, GQ, D, acc.data(), GQ * D, stats.data(), GQ * 2, res.data());
         write_out(r, kh, res.data(), nullptr);
       }
     }
   });
   if (!spread) return;
-  // The spread chunks' partials, per (run, KV head): gathered to [nch, GQ, ...] in chunk order, then combined.
-  std::vector<float> acc, stats, res;
+  // The spread chunks' partials, per (run, KV head), combined where they lie (a chunk's are KVH slots apart).
+  std::vector<float> res;
   for (int64_t r = 0; r < runs; ++r) {
     const int64_t nch = first_chunk[r + 1] - first_chunk[r], GQ = G * (run_start[r + 1] - run_start[r]);
+    res.resize(GQ * D);
     for (int64_t kh = 0; kh < KVH; ++kh) {
-      acc.resize(nch * GQ * D);
-      stats.resize(nch * GQ * 2);
-      for (int64_t c = 0; c < nch; ++c) {
-        const int64_t at = (first_chunk[r] + c) * KVH + kh;
-        std::copy_n(acc_all.get() + at * GQmax * D, GQ * D, acc.data() + c * GQ * D);
-        std::copy_n(stats_all.get() + at * GQmax * 2, GQ * 2, stats.data() + c * GQ * 2);
-      }
-      res.resize(GQ * D);
-      combine(nch, GQ, D, acc.data(), stats.data(), res.data());
+      const int64_t at = first_chunk[r] * KVH + kh;
+      combine(nch, GQ, D, acc_all.get() + at * GQmax * D, KVH * GQmax * D, stats_all.get() + at * GQmax * 2,
+              KVH * GQmax * 2, res.data());
       write_out(r, kh, res.data(), nullptr);
     }
   }
