@@ -23,6 +23,7 @@ import ctypes.util
 import errno
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -61,24 +62,34 @@ def _spans(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     return spans
 
 
-def advise(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
-    """Ask for huge pages under these CPU tensors and collapse what they hold into them now.
+class Advice(NamedTuple):
+    asked: int  # bytes asked for
+    collapsed: int  # of which collapsed into huge pages now: 0 where the kernel has no MADV_COLLAPSE (Linux < 6.1)
+    # of which the kernel could not collapse for want of a free 2 MiB page (EAGAIN / ENOMEM: memory fragmented);
+    # khugepaged may still collapse them later
+    refused: int
 
-    Returns (bytes asked for, bytes collapsed); collapsed is 0 where the kernel has no MADV_COLLAPSE (the pages then
-    become huge only as khugepaged gets to them)."""
-    asked = collapsed = 0
+
+def advise(tensors: Iterable[torch.Tensor]) -> Advice:
+    """Ask for huge pages under these CPU tensors and collapse what they hold into them now (where the kernel has
+    no MADV_COLLAPSE the pages become huge only as khugepaged gets to them)."""
+    asked = collapsed = refused = 0
     if thp_mode() in ("never", "unavailable"):
-        return 0, 0
+        return Advice(0, 0, 0)
     can_collapse = True
     for start, end in _spans(tensors):
         if _libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
             continue
         asked += end - start
-        if can_collapse and _libc.madvise(start, end - start, _MADV_COLLAPSE) == 0:
+        if not can_collapse:
+            continue
+        if _libc.madvise(start, end - start, _MADV_COLLAPSE) == 0:
             collapsed += end - start
-        elif can_collapse and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):  # no MADV_COLLAPSE (Linux < 6.1)
+        elif ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):  # no MADV_COLLAPSE (Linux < 6.1)
             can_collapse = False
-    return asked, collapsed
+        elif ctypes.get_errno() in (errno.EAGAIN, errno.ENOMEM):
+            refused += end - start
+    return Advice(asked, collapsed, refused)
 
 
 def process_huge_page_bytes() -> int:

@@ -106,12 +106,13 @@ class ModelRunner:
         # Weights in memory next to the checkpoint's files: a GGUF's quantized tensors keep the file's bytes.
         self.weight_bytes, self.file_bytes = weight_bytes(self.model), weight_file_bytes(config.model)
         # Decode streams every weight once a step: on 2 MiB pages the quantized kernels lose no time to page walks.
-        asked, collapsed = huge_pages.advise(itertools.chain(self.model.parameters(), self.model.buffers()))
+        asked, collapsed, refused = huge_pages.advise(itertools.chain(self.model.parameters(), self.model.buffers()))
         log.info("loaded %s from %s (%s, %s) in %.1f s; weights hold %.0f MiB in memory, the checkpoint's files %.0f "
-                 "MiB; huge pages asked for %.0f MiB of them (collapsed now: %.0f MiB, THP %s)", mc.name, source,
-                 mc.architecture, describe_weights(self.model, config.dtype), time.perf_counter() - t0,
+                 "MiB; huge pages asked for %.0f MiB of them (collapsed now: %.0f MiB, no free huge page for %.0f "
+                 "MiB; THP %s)", mc.name, source, mc.architecture, describe_weights(self.model, config.dtype),
+                 time.perf_counter() - t0,
                  self.weight_bytes / 2**20, self.file_bytes / 2**20, asked / 2**20, collapsed / 2**20,
-                 huge_pages.thp_mode())
+                 refused / 2**20, huge_pages.thp_mode())
         log.info("%s", describe_tiers())
         self._make_pools(config, mc)
         self.graphs = DecodeGraphs(DecodeStepModule(self.model), config.buckets, not config.disable_compile,
