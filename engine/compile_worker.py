@@ -15,6 +15,7 @@ from pathlib import Path
 
 from engine.compile_child import CHILD_SLOTS, READY
 from engine.config import EngineConfig
+from engine.gc_freeze import load_then_freeze
 
 log = logging.getLogger("ember.compile")
 
@@ -62,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                                  num_threads=1)
     assert config.compile_cache_dir, "the compile child needs the server's --compile-cache-dir"
     t0 = time.perf_counter()
-    prepared = PreparedModel(config.compile_cache_dir, resolve_model_path(config.model))
-    runner = ModelRunner(config, open_cached(config.model, prepared), prepared=prepared)
+    with load_then_freeze():  # the compile's own collections then skip the model's objects
+        prepared = PreparedModel(config.compile_cache_dir, resolve_model_path(config.model))
+        runner = ModelRunner(config, open_cached(config.model, prepared), prepared=prepared)
     artifact_dir = runner._decode_artifact_dir()
     if artifact_dir != Path(a.artifact_dir):
         log.error("the compile child names its saved steps %s, the server %s: not compiling", artifact_dir,

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.gc_freeze import freeze_more, load_then_freeze, thaw
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.stats import EngineInfo, EngineStats
@@ -87,6 +88,7 @@ class EngineThread:
         if self.core is not None:  # a background compile stops after its current bucket
             self.core.runner.graphs.stop(0)
             self.core.close()
+        thaw()
 
     @property
     def compiling(self) -> bool:
@@ -95,7 +97,8 @@ class EngineThread:
 
     def _run(self) -> None:
         try:
-            core = self.core = EngineCore(self.config, self._bucket_ready)
+            with load_then_freeze():  # (engine/gc_freeze.py: a full collection would rescan the model's objects)
+                core = self.core = EngineCore(self.config, self._bucket_ready)
             self.info = EngineInfo.of(core)
             self.stats = EngineStats.of(core)
             self.ready.set()
@@ -132,7 +135,11 @@ class EngineThread:
         return True
 
     def _loop(self, core: EngineCore) -> None:
+        compiling = True  # until the background loads and compiles are done: then their objects are frozen too
         while True:
+            if compiling and core.runner.graphs.compile_finished.is_set():
+                compiling = False
+                freeze_more()
             if not core.has_work() and not self._handle(core, self._inbox.get()):  # idle: block
                 return
             while True:  # drain everything that arrived during the last step
