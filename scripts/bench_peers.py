@@ -161,6 +161,15 @@ def compiled(base: str) -> bool:
     return bool(done) and draft in (None, info["decode_buckets"])
 
 
+def save_server_info(port: int, path: Path) -> None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info", timeout=5) as r:
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(r.read())
+    except OSError as exc:
+        print(f"could not save the server's info: {exc}", file=sys.stderr, flush=True)
+
+
 def start(name: str, port: int, cache_dir: Path, log: Path, ember_isa: str | None = None,
           ember_dtype: str = "auto", workload: str = "fixed") -> tuple[subprocess.Popen[bytes], float, float]:
     """Start one server in its own process group and wait for /health 200 and (Ember) every compiled bucket:
@@ -307,6 +316,8 @@ def main() -> int:
                     runs.append({"round": rep, "server": name, "clients": c, "ready_s": ready_s,
                                  "compiled_s": compiled_s, "isa": args.ember_isa if name.startswith("ember") else None,
                                  "tok_s": report.get("output_tokens_per_s"), "load1_after": load1()})
+                if name.startswith("ember"):  # its settings and what it measured (speculation's step costs)
+                    save_server_info(args.port, out / "server-info" / f"r{rep}-{name}.json")
             finally:
                 stop(proc)
     meta = {"start_load": load, "idle_at_start": idle, "servers": servers, "argv": sys.argv[1:], "runs": runs,
