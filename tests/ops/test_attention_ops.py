@@ -183,3 +183,25 @@ def test_prefill_attention_of_whole_prompts_equals_causal_sdpa(dtype: torch.dtyp
                                               is_causal=True, scale=0.125).transpose(0, 1)
         torch.testing.assert_close(out[sl].float(), want, atol=tol, rtol=tol)
         start += length
+
+
+HAS_AMX = bool(attention.NATIVE_DECODE_ATTENTION and torch.ops.ember.isa_has_amx())
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16: the AMX decode attention kernel cannot run")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 64), (32, 8, 128), (32, 2, 64)])
+def test_amx_kernel_runs_bf16_verify_rows_within_bf16_of_the_vector_kernel(heads: int, kv_heads: int,
+                                                                           dim: int) -> None:
+    """On the avx512bf16 tier of an AMX CPU, bf16 queries over a bf16 cache take tile products (head sizes 64 and
+    128, up to 16 query rows a task: 4 rows of SmolLM2's and Llama's groupings, 1 row of 16 heads a KV head). They
+    round the softmax numerators to bf16, so their bits differ from the AVX-512 kernel's, within bf16's error; each
+    row still equals itself decoded alone (the verify-row test above runs this tier too)."""
+    layout = [list(range(30, 38)), [9], list(range(1018, 1030)), [40, 41, 42]]
+    q, k, v, kc, vc, slots, table, rows, seq = _verify_rows(layout, torch.bfloat16, heads, kv_heads, dim)
+    args = (q, k, v, kc, vc, slots, table, rows, seq, 0.17)
+    amx = torch.ops.ember.decode_attention_isa(*args, "avx512bf16")
+    vec = torch.ops.ember.decode_attention_isa(*args, "avx512")
+    want = attention.reference_decode_attention(q, k, v, kc.clone(), vc.clone(), slots, table, rows, seq, 0.17)
+    torch.testing.assert_close(amx.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(amx.float(), vec.float(), atol=2e-2, rtol=2e-2)
+    assert not torch.equal(amx, vec)  # another kernel ran: the tier is not silently the vector one

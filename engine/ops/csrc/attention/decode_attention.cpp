@@ -142,6 +142,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   using Raw = RawOf<C>;
   const Raw* kraw = reinterpret_cast<const Raw*>(kp);
   const Raw* vraw = reinterpret_cast<const Raw*>(vp);
+  // bf16 queries over a bf16 cache on an AMX CPU: tile products (decode_attention_amx.cpp), for every run alike (a
+  // verify row must have the same bits alone as in its run), so runs are capped at 16 query rows.
+  const bool amx = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && fast != nullptr &&
+                   isa == Isa::kAvx512Bf16 && (D == 64 || D == 128) && G <= 16 && cpu_has_amx_bf16();
+  const int64_t merge_rows = amx ? std::min<int64_t>(kMergeRows, 16 / G) : kMergeRows;
 
   // Runs: one row, or up to kMergeRows rows of one request at consecutive positions (a verify step's last token and
   // drafts, engine/speculative.py), whose G query heads each share every K/V row they read. The portable loop takes
@@ -149,7 +154,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   std::vector<int64_t> run_start, first_chunk{0};
   for (int64_t b = 0; b < B; ++b) {
     const bool joins = fast != nullptr && b > 0 && rows[b] == rows[b - 1] && lens[b] == lens[b - 1] + 1 &&
-                       b - run_start.back() < kMergeRows;
+                       b - run_start.back() < merge_rows;
     if (joins) {
       first_chunk.back() = first_chunk[first_chunk.size() - 2] + (lens[b] + kChunkKeys - 1) / kChunkKeys;
     } else {
@@ -195,6 +200,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     qc.resize(GQ);
     for (int64_t i = 0; i < GQ; ++i) qc[i] = std::clamp<int64_t>(qlen[i] - l0, 0, Lc);
     scores.resize(GQ * ((Lc + 15) / 16 * 16) + GQ + GQ * D);
+    if (amx) {
+      uint16_t qb[16 * 128];  // the run's queries of this KV head as they are (bf16), [GQ, D]
+      for (int64_t i = 0; i < nr; ++i)
+        std::memcpy(qb + i * G * D, qp + ((b0 + i) * H + kh * G) * D, G * D * sizeof(uint16_t));
+      attend_amx_bf16(qb, GQ, D, fscale, reinterpret_cast<const uint16_t*>(kp), reinterpret_cast<const uint16_t*>(vp),
+                      table + rows[b0] * ctx + l0, Lc, KVH * R, kh, scores.data(), acc, stats,
+                      nr > 1 ? qc.data() : nullptr);
+      return;
+    }
     fast(qf.data(), GQ, kraw, vraw, table + rows[b0] * ctx + l0, Lc, KVH * R, kh, scores.data(), acc, stats,
          nr > 1 ? qc.data() : nullptr);
   };

@@ -48,6 +48,13 @@ struct AttentionKernels {
   AttendOne<Fp8E4M3> (*fp8)(int64_t head_dim);  // the fp8 e4m3 cache, likewise
 };
 
+// AMX-BF16 (decode_attention_amx.cpp), for bf16 queries over a bf16 cache, head size D of 64 or 128 and G <= 16
+// query rows: AttendOne's contract with the queries as they are, q [G, D] bf16 bits, and the scale apart. Only where
+// cpu_has_amx_bf16().
+void attend_amx_bf16(const uint16_t* q, int64_t G, int64_t D, float scale, const uint16_t* k, const uint16_t* v,
+                     const int32_t* slots, int64_t L, int64_t kv_stride, int64_t kh, float* scores, float* out,
+                     float* stats, const int64_t* qlen);
+
 AttentionKernels attention_kernels_avx2();
 AttentionKernels attention_kernels_avx512();
 

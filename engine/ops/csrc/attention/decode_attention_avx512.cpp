@@ -1,5 +1,6 @@
 // ember::decode_attention kernels for AVX-512 F/BW/VL/DQ: 16 keys per score vector (decode_attention_body.h).
-// The AVX512-BF16 tier uses these too: attention reads K/V as fp32 after widening, so BF16 dot products add nothing.
+// The AVX512-BF16 tier uses these too (attention reads K/V as fp32 after widening), except for bf16 queries over a
+// bf16 cache on an AMX CPU, which take tile products (decode_attention_amx.cpp).
 #include "attention/decode_attention.h"
 
 #include <immintrin.h>
