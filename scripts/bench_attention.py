@@ -10,6 +10,7 @@ bandwidth of a shared machine drifts: alternate, do not compare across hours).
 
   python scripts/bench_attention.py                       # the default shapes, the active tier, 2 threads
   python scripts/bench_attention.py --isa avx2 --context 1024 4096 --threads 1
+  python scripts/bench_attention.py --shapes smollm2 --batch 1 8 --rows 1 4 8 --context 384   # verify steps
   python scripts/bench_attention.py --prefill --context 256 512 2048 --dtype float32
 """
 from __future__ import annotations
@@ -50,13 +51,18 @@ def pool(batch: int, context: int, kv_heads: int, dim: int, layers: int,
     return caches, table
 
 
-def bench(name: str, batch: int, context: int, reps: int, dtype: torch.dtype) -> tuple[float, float]:
+def bench(name: str, batch: int, context: int, reps: int, dtype: torch.dtype, rows_each: int = 1
+          ) -> tuple[float, float]:
+    """rows_each: rows per request at consecutive positions ending at `context` (a verify step's last token and
+    drafts, engine/speculative.py), all on the request's row of the table."""
     heads, kv_heads, dim, layers = SHAPES[name]
     caches, table = pool(batch, context, kv_heads, dim, layers, dtype)
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(batch, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
-    out_slots = table[1:, context - 1].long()
-    rows, lens = torch.arange(1, batch + 1), torch.full((batch,), context)
+    n = batch * rows_each
+    q, k, v = (torch.randn(n, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    rows = torch.arange(1, batch + 1).repeat_interleave(rows_each)
+    lens = (context - rows_each + 1 + torch.arange(rows_each)).repeat(batch)
+    out_slots = table[rows, lens - 1].long()
     op = torch.ops.ember.decode_attention
     times = []
     for _ in range(reps):
@@ -95,6 +101,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="rows per request (verify steps: 1 + drafts)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -116,13 +123,15 @@ def main() -> None:
                     print(f"| {name} | {tokens} | {ours * 1e6:.0f} ({flop / ours / 1e9:.0f}) | {sdpa * 1e6:.0f} "
                           f"({flop / sdpa / 1e9:.0f}) | {sdpa / ours:.2f}x |", flush=True)
             return
-        print("| shape | batch | context | us / layer | KV GB/s |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| shape | batch | rows each | context | us / layer | KV GB/s |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for name in a.shapes:
             for batch in a.batch:
-                for context in a.context:
-                    sec, rate = bench(name, batch, context, a.reps, dtype)
-                    print(f"| {name} | {batch} | {context} | {sec * 1e6:.1f} | {rate / 1e9:.1f} |", flush=True)
+                for rows_each in a.rows:
+                    for context in a.context:
+                        sec, rate = bench(name, batch, context, a.reps, dtype, rows_each)
+                        print(f"| {name} | {batch} | {rows_each} | {context} | {sec * 1e6:.1f} | {rate / 1e9:.1f} |",
+                              flush=True)
 
 
 if __name__ == "__main__":
