@@ -165,10 +165,8 @@ class DecodeGraphs:
             if later or left:
                 if later:
                     log.info("serving now; saved decode buckets %s load in the background", later)
-                if left:
-                    where = "a child process" if spawn_child is not None else "a thread"
-                    log.info("serving now; decode buckets %s compile in the background in %s, largest first", left,
-                             where)
+                if left:  # (where: a child process if there is memory for one, said once it starts; else a thread)
+                    log.info("serving now; decode buckets %s compile in the background, largest first", left)
                 self._thread = threading.Thread(target=self._finish, args=(later, left, spawn_child, pools, on_bucket),
                                                 name="ember-compile", daemon=True)
                 self._thread.start()
@@ -194,6 +192,7 @@ class DecodeGraphs:
         elif spawn_child is not None:
             self._compile_in_child(spawn_child, left, pools, on_bucket)
         else:
+            log.info("decode buckets %s compile in a thread of this process", left)
             self._compile_all(left, pools, on_bucket)
 
     def stop(self, timeout: float | None = None) -> None:
