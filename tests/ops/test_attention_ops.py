@@ -205,3 +205,34 @@ def test_amx_kernel_runs_bf16_verify_rows_within_bf16_of_the_vector_kernel(heads
     torch.testing.assert_close(amx.float(), want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(amx.float(), vec.float(), atol=2e-2, rtol=2e-2)
     assert not torch.equal(amx, vec)  # another kernel ran: the tier is not silently the vector one
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16: the AMX decode attention kernel cannot run")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128)])
+def test_amx_kernel_reads_runs_of_consecutive_slots_straight_from_the_cache(heads: int, kv_heads: int,
+                                                                            dim: int) -> None:
+    """Where 16 keys sit in consecutive slots (a prompt's, as the pool hands them out) the kernel loads them as one
+    tile from the cache; elsewhere it gathers them. A context of runs and scattered slots gives the reference's
+    output either way."""
+    g = torch.Generator().manual_seed(3)
+    lens = [200, 37, 64]
+    total = sum(lens) + 64
+    kc = torch.randn(total + 1, kv_heads, dim, generator=g).to(torch.bfloat16)
+    vc = torch.randn(total + 1, kv_heads, dim, generator=g).to(torch.bfloat16)
+    table = torch.zeros(len(lens) + 1, 256, dtype=torch.int32)
+    nxt = 1
+    for i, n in enumerate(lens):
+        slots = list(range(nxt, nxt + n))
+        if i == 0:  # the first request's keys 100..119 scattered: a block of 16 that must be gathered
+            slots[100:120] = slots[100:120][::-1]
+        table[i + 1, :n] = torch.tensor(slots, dtype=torch.int32)
+        nxt += n
+    rows = torch.arange(1, len(lens) + 1)
+    seq = torch.tensor(lens)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(len(lens), kv_heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(len(lens), kv_heads, dim, generator=g).to(torch.bfloat16)
+    out_slots = table[rows, seq - 1].long()
+    got = torch.ops.ember.decode_attention_isa(q, k, v, kc, vc, out_slots, table, rows, seq, 0.17, "avx512bf16")
+    want = attention.reference_decode_attention(q, k, v, kc.clone(), vc.clone(), out_slots, table, rows, seq, 0.17)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
