@@ -148,12 +148,17 @@ def health(base: str) -> int:
         return 0  # not listening yet
 
 
+def server_info(base: str) -> bytes:
+    """An Ember server's /get_server_info (JSON); OSError when it does not answer."""
+    with urllib.request.urlopen(f"{base}/get_server_info", timeout=5) as r:
+        return r.read()
+
+
 def compiled(base: str) -> bool:
     """Every decode bucket of an Ember server is compiled (it serves, slower, while they compile), or the server has
     stopped compiling (buckets it left eager: no memory for a compile child)."""
     try:
-        with urllib.request.urlopen(f"{base}/get_server_info", timeout=5) as r:
-            info = json.loads(r.read())
+        info = json.loads(server_info(base))
     except OSError:
         return False
     draft = info.get("speculative", {}).get("draft_compiled_buckets")  # a draft model compiles its own
@@ -163,9 +168,9 @@ def compiled(base: str) -> bool:
 
 def save_server_info(port: int, path: Path) -> None:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info", timeout=5) as r:
-            path.parent.mkdir(exist_ok=True)
-            path.write_bytes(r.read())
+        info = server_info(f"http://127.0.0.1:{port}")
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(info)
     except OSError as exc:
         print(f"could not save the server's info: {exc}", file=sys.stderr, flush=True)
 

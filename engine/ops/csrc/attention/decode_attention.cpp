@@ -179,15 +179,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   }
   for (int64_t r = 0; spread && r < runs; ++r) order.push_back(first_chunk[r + 1] - 1);
 
-  // Run r's query heads of KV head kh as fp32 (pre-scaled) and each one's length.
+  // Run r's query heads of KV head kh as fp32 (pre-scaled; not for the AMX kernel, which reads them as they are)
+  // and each one's length.
   const auto gather_q = [&](int64_t r, int64_t kh, std::vector<float>& qf, std::vector<int64_t>& qlen) {
     const int64_t b0 = run_start[r], nr = run_start[r + 1] - b0;
-    qf.resize(G * nr * D);
+    qf.resize(amx ? 0 : G * nr * D);
     qlen.resize(G * nr);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t g = 0; g < G; ++g) {
         const T* qrow = qp + ((b0 + i) * H + kh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = to_f(qrow[d]) * fscale;
+        if (!amx)
+          for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = to_f(qrow[d]) * fscale;
         qlen[i * G + g] = lens[b0 + i];
       }
   };
