@@ -12,7 +12,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention/kv_types.h"
@@ -47,31 +49,52 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t stride = KVH * k_cache.size(2);
   const auto kernel = kernel_for<C>(isa, D);  // (run checked that the head size has kernels)
   const int64_t unit = rows_per_pass(isa), M = (G * task_tokens(isa, G) + unit - 1) / unit * unit;  // task rows
+  // bf16 queries over a bf16 cache on an AMX CPU: tile products (prefill_attention_amx.cpp).
+  const bool amx = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> &&
+                   isa == Isa::kAvx512Bf16 && (D == 64 || D == 128) && M <= kPrefillAmxRows && cpu_has_amx_bf16();
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const auto* kp = reinterpret_cast<const RawOf<C>*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const RawOf<C>*>(v_cache.data_ptr());
   const int32_t* table = req_to_token.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
-  // Per thread: the task's transposed queries [D, M], its output rows [M, D], then the kernel's scratch.
-  const int64_t floats = 2 * M * D + prefill_scratch_floats(M, D);
-  parallel_blocks(static_cast<int64_t>(tasks.size()), floats, [&](int64_t b, float* scratch) {
-    const Task& t = tasks[b];
-    float* qt = scratch;
-    float* acc = qt + M * D;
-    std::fill(qt, qt + M * D, 0.f);
-    for (int64_t i = 0; i < t.nq; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const T* row = qp + ((t.tok0 + i) * H + t.kh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qt[d * M + i * G + g] = static_cast<float>(row[d]) * fscale;
-      }
-    kernel(qt, M, G, t.nq, t.first_pos, kp, vp, table + req_rows[t.request] * ctx, stride, t.kh, acc + M * D, acc);
+  const auto write_rows = [&](const Task& t, const float* acc) {
     for (int64_t i = 0; i < t.nq; ++i)
       for (int64_t g = 0; g < G; ++g) {
         T* row = op + ((t.tok0 + i) * H + t.kh * G + g) * D;
         const float* src = acc + (i * G + g) * D;
         for (int64_t d = 0; d < D; ++d) row[d] = static_cast<T>(src[d]);
       }
+  };
+  // Per thread: the task's queries (transposed, pre-scaled fp32 [D, M]; AMX: as they are, bf16 [M, D]), its output
+  // rows [M, D], then the vector kernel's scratch.
+  const int64_t floats = 2 * M * D + prefill_scratch_floats(M, D);
+  parallel_blocks(static_cast<int64_t>(tasks.size()), floats, [&](int64_t b, float* scratch) {
+    const Task& t = tasks[b];
+    float* qt = scratch;
+    float* acc = qt + M * D;
+    const int32_t* slots = table + req_rows[t.request] * ctx;
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+      if (amx) {
+        auto* qb = reinterpret_cast<uint16_t*>(qt);
+        const int64_t rows = G * t.nq, padded = (rows + 15) / 16 * 16;
+        for (int64_t i = 0; i < t.nq; ++i)  // the G query heads of a token are consecutive rows of q
+          std::memcpy(qb + i * G * D, qp + ((t.tok0 + i) * H + t.kh * G) * D, G * D * sizeof(uint16_t));
+        std::memset(qb + rows * D, 0, (padded - rows) * D * sizeof(uint16_t));
+        prefill_amx_bf16(qb, G, t.nq, t.first_pos, D, fscale, reinterpret_cast<const uint16_t*>(kp),
+                         reinterpret_cast<const uint16_t*>(vp), slots, stride, t.kh, acc);
+        write_rows(t, acc);
+        return;
+      }
+    }
+    std::fill(qt, qt + M * D, 0.f);
+    for (int64_t i = 0; i < t.nq; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const T* row = qp + ((t.tok0 + i) * H + t.kh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qt[d * M + i * G + g] = static_cast<float>(row[d]) * fscale;
+      }
+    kernel(qt, M, G, t.nq, t.first_pos, kp, vp, slots, stride, t.kh, acc + M * D, acc);
+    write_rows(t, acc);
   });
 }
 
