@@ -19,7 +19,7 @@ from engine.loader.model_config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.model.moe import SparseMoE
 from engine.model.rope import apply_rope, longrope_rows
-from engine.ops.fused import eager_fused
+from engine.ops.fused import eager_fused, silu_mul
 from engine.ops.linear import embedding, linear
 from engine.quant.module import QuantizedWeight
 
@@ -88,8 +88,7 @@ class DecoderLayer(nn.Module):
         h = rms_norm(x, self.post_attention_layernorm, cfg.rms_norm_eps)
         if self.moe is not None:
             return x + self.moe(h)
-        gate, up = linear(h, self.gate_up_proj, self.inter2).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_proj, cfg.hidden_size)
+        return x + linear(silu_mul(linear(h, self.gate_up_proj, self.inter2)), self.down_proj, cfg.hidden_size)
 
 
 class LlamaModel(nn.Module):

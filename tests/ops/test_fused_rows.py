@@ -1,4 +1,4 @@
-"""ember::rms_norm and ember::rope (the eager prefill's fused row ops) against the torch expressions they replace,
+"""ember::rms_norm, ember::rope and ember::silu_mul (the eager prefill's fused row ops) against the torch expressions they replace,
 which a compiled graph keeps."""
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from engine.model import llama, rope
-from engine.ops.native import NATIVE_OPS
+from engine.ops import fused
+from engine.ops.native import NATIVE_OPS, forced_isa
+from isa_tiers import LINEAR
 
 pytestmark = pytest.mark.skipif(not NATIVE_OPS, reason="the C++ ops are not built (EMBER_NATIVE_OPS=0)")
 
@@ -70,8 +72,34 @@ def test_model_functions_take_the_fused_ops_eagerly_and_torch_under_compile() ->
     torch.testing.assert_close(compiled[1], _torch_rope(q, cos, sin), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("isa", [*LINEAR, "scalar"])
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (37, 1536), (5, 8200)])  # 8200: a tail past the vectors
+def test_silu_mul_equals_torchs_two_bf16_ops_bit_for_bit(isa: str, tokens: int, inter: int) -> None:
+    """silu(gate) * up of the fused gate|up output, on every tier this CPU runs: the same bits as torch's silu and
+    mul, each rounded to bf16 (the silu values come from a table of torch's own, so inputs whose silu lies near a
+    bf16 rounding boundary, as 5.9375's does, round as torch rounds them)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(tokens, 2 * inter, generator=g) * 4).to(torch.bfloat16)
+    x[0, :4] = torch.tensor([5.9375, -0.0, float("inf"), -float("inf")])
+    gate, up = x.chunk(2, dim=-1)
+    with forced_isa(isa):
+        got = fused.silu_mul(x)
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+
+
+def test_silu_mul_keeps_the_torch_expression_for_other_dtypes_and_under_compile() -> None:
+    x = torch.randn(8, 64)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(fused.silu_mul(x), torch.nn.functional.silu(gate) * up)
+    compiled = torch.compile(fused.silu_mul, fullgraph=True)(x.bfloat16())  # no fake kernel: torch's ops in the graph
+    torch.testing.assert_close(compiled, fused.silu_mul(x.bfloat16()), atol=1e-2, rtol=1e-2)
+
+
 def test_bad_shapes_are_errors() -> None:
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.ember.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-6)
     with pytest.raises(RuntimeError, match="even rotary_dim"):
         torch.ops.ember.rope(torch.randn(4, 2, 8), torch.randn(4, 10), torch.randn(4, 10))
+    with pytest.raises(RuntimeError, match="takes bfloat16"):
+        torch.ops.ember.silu_mul(torch.randn(4, 8), fused._silu_table())

@@ -1,10 +1,11 @@
-// Fused row-wise ops for the eager prefill: ember::rms_norm and ember::rope. ISA: none (generic x86-64; the loops are
-// plain enough for the compiler's vectoriser).
+// Fused row-wise ops for the eager prefill: ember::rms_norm, ember::rope and ember::silu_mul. ISA: none (generic
+// x86-64; the loops are plain enough for the compiler's vectoriser; silu_mul's vector kernels are per ISA).
 //
 // Why: the compiled decode step gets these fused by Inductor, but prefill runs eagerly (its token count varies), and
 // there each op was a handful of aten calls over the whole [tokens, hidden] activation: on SmolLM2's 256-token prefill
-// the muls, adds, pows, cats and copies of rms_norm and rope took ~35 ms of ~250 (Zen 4, 2 threads). (A fused
-// silu * up measured no faster than torch's two vectorised ops, so it is not here.)
+// the muls, adds, pows, cats and copies of rms_norm and rope took ~35 ms of ~250 (Zen 4, 2 threads). silu * up in
+// bf16 (ember::silu_mul, vector kernels in silu_mul_<isa>.cpp): torch's silu and mul over the strided halves of the
+// gate|up output took 75 + 56 us a 128-token SmolLM2 layer on the AMX Xeon.
 // Each op here reads its input once and writes its output once. Rounding follows the torch ops they replace: fp32
 // math, rounded to the activations' dtype where torch rounds (after the normalisation, after each rope product), so
 // a bf16 model sees the values its eager reference would, up to the summation order of a mean.
@@ -14,6 +15,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+
+#include "common/cpu_isa.h"
+#include "elementwise/silu_mul.h"
 
 namespace ember {
 namespace {
@@ -108,15 +113,47 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
+// x [T, 2I] bf16 (the fused gate|up projection's output): [T, I] = silu(x[:, :I]) * x[:, I:], rounded as torch
+// rounds each of the two ops. silu comes from `table` (silu_mul.h; engine/ops/fused.py makes it with torch's own
+// silu): a bf16 input has 65536 values, and a computed silu landing within an fp32 ulp of a bf16 rounding boundary
+// (it does, for inputs as common as 5.9375) would round the other way from torch's.
+at::Tensor silu_mul(const at::Tensor& x, const at::Tensor& table) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "silu_mul takes a contiguous [tokens, 2 I]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "silu_mul takes bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(table.is_contiguous() && table.element_size() == 2 && table.numel() == 65537,
+              "silu_mul's table must be 65537 contiguous 16-bit entries");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, x.options());
+  const Isa isa = active_isa();
+  const SiluMulRow row = isa == Isa::kScalar ? nullptr : isa == Isa::kAvx2 ? silu_mul_row_avx2() : silu_mul_row_avx512();
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  over_rows(T, 2 * I, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* gate = xp + t * 2 * I;
+      const uint16_t* up = gate + I;
+      uint16_t* o = op + t * I;
+      for (int64_t i = row != nullptr ? row(gate, up, tp, o, I) : 0; i < I; ++i) {
+        const float s = c10::detail::f32_from_bits(tp[gate[i]]);
+        o[i] = c10::BFloat16(s * c10::detail::f32_from_bits(up[i])).x;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace ember
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor x, Tensor table) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ember, CPU, m) {
   m.impl("rms_norm", &ember::rms_norm);
   m.impl("rope", &ember::rope);
+  m.impl("silu_mul", &ember::silu_mul);
 }
