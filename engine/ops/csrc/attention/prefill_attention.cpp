@@ -51,7 +51,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t unit = rows_per_pass(isa), M = (G * task_tokens(isa, G) + unit - 1) / unit * unit;  // task rows
   // bf16 queries over a bf16 cache on an AMX CPU: tile products (prefill_attention_amx.cpp).
   const bool amx = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> &&
-                   isa == Isa::kAvx512Bf16 && (D == 64 || D == 128) && M <= kPrefillAmxRows && cpu_has_amx_bf16();
+                   isa == Isa::kAvx512Bf16 && D % 64 == 0 && D <= 256 && M <= kPrefillAmxRows && cpu_has_amx_bf16();
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const auto* kp = reinterpret_cast<const RawOf<C>*>(k_cache.data_ptr());

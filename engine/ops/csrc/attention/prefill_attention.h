@@ -42,16 +42,16 @@ struct PrefillKernels {
 };
 
 PrefillKernels prefill_kernels_avx2();
+PrefillKernels prefill_kernels_avx512();
 
-// AMX-BF16 (prefill_attention_amx.cpp), for bf16 queries over a bf16 cache and head size D of 64 or 128: q holds the
-// task's G * nq <= kPrefillAmxRows query rows as they are (row m = i * G + g, [rows, D] bf16, padded with zero rows to
-// a multiple of 16), unscaled; the keys and their rows as for PrefillOne (bf16 rows: no scale); out [rows rounded up
-// to 16, D] fp32, normalised. Softmax numerators are rounded to bf16, the values the P V product multiplies, and
-// summed as rounded. Call only where cpu_has_amx_bf16().
+// AMX-BF16 (prefill_attention_amx.cpp), for bf16 queries over a bf16 cache and head size D of 64, 128 or 256: q
+// holds the task's G * nq <= kPrefillAmxRows query rows as they are (row m = i * G + g, [rows, D] bf16, padded with
+// zero rows to a multiple of 16), unscaled; the keys and their rows as for PrefillOne (bf16 rows: no scale); out
+// [rows rounded up to 16, D] fp32, normalised. Softmax numerators are rounded to bf16, the values the P V product
+// multiplies, and summed as rounded. Call only where cpu_has_amx_bf16().
 constexpr int64_t kPrefillAmxRows = 64;
 void prefill_amx_bf16(const uint16_t* q, int64_t G, int64_t nq, int64_t first_pos, int64_t D, float scale,
                       const uint16_t* k, const uint16_t* v, const int32_t* slots, int64_t kv_stride, int64_t kh,
                       float* out);
-PrefillKernels prefill_kernels_avx512();
 
 }  // namespace ember

@@ -1,5 +1,5 @@
 // ember::prefill_attention's AMX-BF16 kernel (prefill_attention.h prefill_amx_bf16): bf16 queries over a bf16 cache,
-// head size 64 or 128, a task's M <= 64 query rows. ISA: AMX-TILE + AMX-BF16 + AVX512-BF16 (Sapphire Rapids on).
+// head size 64, 128 or 256, a task's M <= 64 query rows. ISA: AMX-TILE + AMX-BF16 + AVX512-BF16 (Sapphire Rapids on).
 //
 // Why: the vector kernel (prefill_attention_body.h) spends two fp32 FMAs per (query row, key, 16 head values), so a
 // 256-token prompt's attention was ~19 % of SmolLM2's prefill and most of a 2048-token one's beyond the linears.
@@ -94,8 +94,8 @@ void ember::prefill_amx_bf16(const uint16_t* q, int64_t G, int64_t nq, int64_t f
                              const uint16_t* k, const uint16_t* v, const int32_t* slots, int64_t kv_stride,
                              int64_t kh, float* out) {
   constexpr int NB = kBlockKeys / 32;         // 32-key sub-blocks: one P tile, 2 K^T tiles per 32 head values
-  alignas(64) uint16_t kt[NB][4][2][16 * 32];  // K^T tiles: [sub-block][32 head values][16 keys]
-  alignas(64) uint16_t bv[NB][8][16 * 32];     // V tiles: [sub-block][16 head values]
+  alignas(64) uint16_t kt[NB][8][2][16 * 32];  // K^T tiles: [sub-block][32 head values][16 keys]
+  alignas(64) uint16_t bv[NB][16][16 * 32];    // V tiles: [sub-block][16 head values]
   constexpr int64_t QB = kPrefillAmxRows / 16;  // query blocks of 16 rows
   alignas(64) float s[QB][16][kBlockKeys];
   alignas(64) uint16_t pa[QB][16][kBlockKeys];
