@@ -21,6 +21,8 @@ planner drafts less or not at all, and a request whose drafts keep failing stops
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -49,7 +51,13 @@ DRAFT_RATE_RECOVERY = 0.005
 # 16-row step costs 1.5-1.8x an 8-row one, one draft a request at 0.5 does not pay), and on free text it starts low.
 RECENT_RATE_EMA = 0.1
 MAX_RATE = 0.95  # an estimate, never a certainty: keeps the expected gain of long drafts finite
-STEP_TIME_EMA = 0.2
+STEP_TIME_EMA = 0.2  # (a draft model's own step time: engine/draft_model.py)
+# A bucket's step cost is the median of its last STEP_SAMPLES steps: a served step now and then costs 2-3x its usual
+# (the server's threads, a collection), and an average pulled up by one would keep the planner out of that bucket
+# for many steps. In a replay of the 8-client edit workload (scripts/replay_spec.py) with 5 % of steps observed at
+# 1.25-3.75x their cost, an EMA of weight 0.2 planned 1.26-1.30x speculation off's tok/s, the median 1.31-1.35x
+# (1.33-1.34x for both without the outliers).
+STEP_SAMPLES = 15
 
 
 class NgramIndex:
@@ -155,7 +163,8 @@ class DraftPlanner:
     def __init__(self, buckets: Sequence[int], ready: Callable[[int], bool]) -> None:
         self.buckets = tuple(sorted(buckets))
         self.ready = ready  # whether a bucket's compiled step is in (eager steps cost far more: never draft into one)
-        self.step_s: dict[int, float] = {}  # bucket -> EMA seconds of a decode step (forward and outputs)
+        self.step_s: dict[int, float] = {}  # bucket -> seconds of a decode step (forward and outputs): see STEP_SAMPLES
+        self._samples: dict[int, deque[float]] = {}
 
     def bucket(self, rows: int) -> int | None:
         i = bisect.bisect_left(self.buckets, rows)
@@ -164,7 +173,9 @@ class DraftPlanner:
     def observe(self, rows: int, seconds: float) -> None:
         b = self.bucket(rows)
         if b is not None:
-            self.step_s[b] = ema(self.step_s.get(b), seconds)
+            recent = self._samples.setdefault(b, deque(maxlen=STEP_SAMPLES))
+            recent.append(seconds)
+            self.step_s[b] = statistics.median(recent)
 
     def cost(self, rows: int) -> float | None:
         """Seconds of a step of `rows` rows: measured for its bucket, else (to explore it once) that of the largest

@@ -19,8 +19,8 @@ import pytest
 
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.speculative import (CLASS_PRIORS, MATCH_CLASSES, RATE_RECOVERY, DraftPlanner, NgramIndex, SpecState,
-                                Speculator, match_class)
+from engine.speculative import (CLASS_PRIORS, MATCH_CLASSES, RATE_RECOVERY, STEP_SAMPLES, DraftPlanner, NgramIndex,
+                                SpecState, Speculator, match_class)
 from scheduler_helpers import Arrival, assert_same_streams, run_checked, tiny_engine
 
 
@@ -96,6 +96,19 @@ def test_planner_uses_free_padding_rows_and_skips_unready_buckets() -> None:
     # An unmeasured ready bucket is tried at the cost of the largest measured one below it.
     assert _planner({1: 1.0}).plan([0.9], [1], budget=10) == [1]
     assert _planner({}).plan([0.9], [5], budget=10) == [0]  # nothing measured yet
+
+
+def test_a_buckets_cost_is_the_median_of_its_recent_steps() -> None:
+    """One slow step (the server's threads, a collection) does not make a bucket look slow: its cost is the median of
+    its last STEP_SAMPLES steps, where an average would keep the planner out of it for a while."""
+    planner = _planner({})
+    for _ in range(6):
+        planner.observe(7, 0.010)  # the 8-row bucket
+    planner.observe(8, 0.050)
+    assert planner.step_s[8] == pytest.approx(0.010)
+    for _ in range(STEP_SAMPLES):  # a lasting change moves it all the same
+        planner.observe(5, 0.020)
+    assert planner.step_s[8] == pytest.approx(0.020)
 
 
 def test_rate_is_the_chance_a_draft_is_kept_after_the_ones_before_it() -> None:
