@@ -46,4 +46,27 @@ inline void value_tiles(const uint16_t* vbase, const int32_t* slots, int64_t n, 
   }
 }
 
+// C tiles 0-3 += A (tile 4, loaded from a with row stride lda bytes) times the B tiles bv[0..3] (through tile 5).
+inline void dp_four(const void* a, int64_t lda, const uint16_t (*bv)[16 * 32]) {
+  _tile_loadd(4, a, lda);
+  _tile_loadd(5, bv[0], 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(5, bv[1], 64);
+  _tile_dpbf16ps(1, 4, 5);
+  _tile_loadd(5, bv[2], 64);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_loadd(5, bv[3], 64);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
+// C tile e (0-3) into c, 16 rows of 16 floats (tile numbers are literals in the instruction).
+inline void store_c(int e, float (*c)[16]) {
+  switch (e) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64); break;
+  }
+}
+
 }  // namespace

@@ -137,23 +137,10 @@ void ember::attend_amx_bf16(const uint16_t* q, int64_t G, int64_t D, float scale
         _mm512_store_si512(pa[gq], (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + 16), _mm512_loadu_ps(sg)));
       }
       value_tiles(vbase, slots + l0, L - l0 < 32 ? L - l0 : 32, kv_stride, e0, bv);
-      _tile_loadd(4, pa, 64);
-      _tile_loadd(5, bv[0], 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, bv[1], 64);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, bv[2], 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, bv[3], 64);
-      _tile_dpbf16ps(3, 4, 5);
+      dp_four(pa, 64, bv);
     }
     for (int e = 0; e < 4; ++e) {
-      switch (e) {  // (tile numbers are literals in the instruction)
-        case 0: _tile_stored(0, c, 64); break;
-        case 1: _tile_stored(1, c, 64); break;
-        case 2: _tile_stored(2, c, 64); break;
-        default: _tile_stored(3, c, 64); break;
-      }
+      store_c(e, c);
       for (int64_t gq = 0; gq < G; ++gq) _mm512_storeu_ps(out + gq * D + 16 * (e0 + e), _mm512_load_ps(c[gq]));
     }
   }

@@ -188,24 +188,9 @@ void ember::prefill_amx_bf16(const uint16_t* q, int64_t G, int64_t nq, int64_t f
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t u = 0; u < nsub; ++u) {
-          _tile_loadd(4, pa[b][0] + 32 * u, kBlockKeys * 2);
-          _tile_loadd(5, bv[u][e0], 64);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(5, bv[u][e0 + 1], 64);
-          _tile_dpbf16ps(1, 4, 5);
-          _tile_loadd(5, bv[u][e0 + 2], 64);
-          _tile_dpbf16ps(2, 4, 5);
-          _tile_loadd(5, bv[u][e0 + 3], 64);
-          _tile_dpbf16ps(3, 4, 5);
-        }
+        for (int64_t u = 0; u < nsub; ++u) dp_four(pa[b][0] + 32 * u, kBlockKeys * 2, bv[u] + e0);
         for (int e = 0; e < 4; ++e) {
-          switch (e) {  // (tile numbers are literals in the instruction)
-            case 0: _tile_stored(0, c, 64); break;
-            case 1: _tile_stored(1, c, 64); break;
-            case 2: _tile_stored(2, c, 64); break;
-            default: _tile_stored(3, c, 64); break;
-          }
+          store_c(e, c);
           for (int64_t r = 0; r < rows; ++r) {
             float* o = out + (16 * b + r) * D + 16 * (e0 + e);
             const __m512 a = _mm512_set1_ps(alpha[16 * b + r]);
