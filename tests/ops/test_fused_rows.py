@@ -1,5 +1,5 @@
-"""ember::rms_norm, ember::rope and ember::silu_mul (the eager prefill's fused row ops) against the torch expressions they replace,
-which a compiled graph keeps."""
+"""ember::rms_norm, ember::rope and ember::silu_mul (the eager prefill's fused row ops) against the torch expressions
+they replace, which a compiled graph keeps."""
 from __future__ import annotations
 
 import pytest

@@ -130,11 +130,11 @@ HAS_AMX = bool(NATIVE_OPS and torch.ops.ember.isa_has_amx())
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16: the AMX prefill attention kernel cannot run")
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 64), (24, 8, 128), (40, 1, 64), (8, 1, 256)])
 def test_amx_kernel_runs_bf16_prompts_within_bf16_of_the_vector_kernel(heads: int, kv_heads: int, dim: int) -> None:
-    """On the avx512bf16 tier of an AMX CPU, a bf16 prompt over a bf16 cache takes tile products (head sizes 64, 128
-    and Gemma's 256): keys in blocks of 128 (the 150-token prompt spans two, the last one partial), query rows in blocks of 16
-    (SmolLM2's 21 tokens x 3 heads a task leave a padding row). They round the softmax numerators to bf16, so their
-    bits differ from the AVX-512 kernel's; their error against fp32 attention on the same bf16 inputs stays that
-    kernel's (the output's own bf16 rounding dominates both)."""
+    """On the avx512bf16 tier of an AMX CPU, a bf16 prompt over a bf16 cache takes tile products (head sizes 64,
+    128 and Gemma's 256): keys in blocks of 128 (the 150-token prompt spans two, the last one partial), query rows
+    in blocks of 16 (SmolLM2's 21 tokens x 3 heads a task leave a padding row). They round the softmax numerators to
+    bf16, so their bits differ from the AVX-512 kernel's; their error against fp32 attention on the same bf16 inputs
+    stays that kernel's (the output's own bf16 rounding dominates both)."""
     q, k, v, kc, vc, meta = _setup(torch.bfloat16, torch.bfloat16, heads, kv_heads, dim, seed=5)
     amx = torch.ops.ember.prefill_attention_isa(q, k, v, kc.clone(), vc.clone(), *meta, 0.11, "avx512bf16").float()
     vec = torch.ops.ember.prefill_attention_isa(q, k, v, kc.clone(), vc.clone(), *meta, 0.11, "avx512").float()

@@ -125,7 +125,9 @@ at::Tensor silu_mul(const at::Tensor& x, const at::Tensor& table) {
   const int64_t T = x.size(0), I = x.size(1) / 2;
   at::Tensor out = at::empty({T, I}, x.options());
   const Isa isa = active_isa();
-  const SiluMulRow row = isa == Isa::kScalar ? nullptr : isa == Isa::kAvx2 ? silu_mul_row_avx2() : silu_mul_row_avx512();
+  const SiluMulRow row = isa == Isa::kScalar ? nullptr
+                         : isa == Isa::kAvx2  ? silu_mul_row_avx2()
+                                              : silu_mul_row_avx512();
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());

@@ -14,8 +14,8 @@ int64_t row(const uint16_t* gate, const uint16_t* up, const uint16_t* table, uin
   for (; i + 8 <= n; i += 8) {
     const __m256i idx = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gate + i)));
     const __m256i s = _mm256_slli_epi32(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), idx, 2), 16);
-    Avx2::store_bf16(out + i, _mm256_mul_ps(_mm256_castsi256_ps(s), Avx2::load(reinterpret_cast<const Bf16*>(up + i))),
-                     8);
+    const __m256 u = Avx2::load(reinterpret_cast<const Bf16*>(up + i));
+    Avx2::store_bf16(out + i, _mm256_mul_ps(_mm256_castsi256_ps(s), u), 8);
   }
   return i;
 }

@@ -14,8 +14,8 @@ int64_t row(const uint16_t* gate, const uint16_t* up, const uint16_t* table, uin
   for (; i + 16 <= n; i += 16) {
     const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + i)));
     const __m512i s = _mm512_slli_epi32(_mm512_i32gather_epi32(idx, table, 2), 16);  // the entry's bits, widened
-    Avx512::store_bf16(out + i, _mm512_mul_ps(_mm512_castsi512_ps(s), Avx512::load(reinterpret_cast<const Bf16*>(up + i))),
-                       16);
+    const __m512 u = Avx512::load(reinterpret_cast<const Bf16*>(up + i));
+    Avx512::store_bf16(out + i, _mm512_mul_ps(_mm512_castsi512_ps(s), u), 16);
   }
   return i;
 }
