@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "common/cpu_isa.h"
 #include "elementwise/silu_mul.h"
