@@ -55,6 +55,37 @@ def test_rope_of_a_qkv_view_matches_torch(dtype: torch.dtype, heads: int, dim: i
         assert torch.equal(got, _torch_rope(q, cos, sin))
 
 
+@pytest.mark.parametrize("isa", [*LINEAR, "scalar"])
+@pytest.mark.parametrize("shape", [(37, 576), (3, 2048), (5, 600), (4, 605)])  # 600, 605: tails past the vectors
+def test_bf16_rms_norm_on_every_tier(isa: str, shape: tuple[int, int]) -> None:
+    """The bf16 row kernel of every tier this CPU runs: torch's rounding points, the sum of squares in the lanes'
+    order (so a value may differ from the portable loop's by one rounding, rarely)."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16)
+    w = torch.randn(shape[-1], generator=g).to(torch.bfloat16)
+    with forced_isa(isa):
+        got = torch.ops.ember.rms_norm(x, w, 1e-5)
+    want = _torch_rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("isa", [*LINEAR, "scalar"])
+@pytest.mark.parametrize("heads,dim,rot", [(9, 64, 64), (8, 128, 128), (4, 96, 32), (3, 64, 20)])  # 20: tails
+def test_bf16_rope_equals_torch_bit_for_bit_on_every_tier(isa: str, heads: int, dim: int, rot: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    t = 19
+    qkv = torch.randn(t, heads * dim + 2 * dim, generator=g).to(torch.bfloat16)
+    qkv[0, :dim] = 0.0  # a zero row: torch's -x makes -0, which must survive the rotation's sign
+    q = qkv[:, : heads * dim].view(t, heads, dim)
+    cos, sin = (torch.randn(t, rot, generator=g).to(torch.bfloat16) for _ in range(2))
+    cos[0, :] = -1.0
+    with forced_isa(isa):
+        got = torch.ops.ember.rope(q, cos, sin)
+    want = _torch_rope(q, cos, sin)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_model_functions_take_the_fused_ops_eagerly_and_torch_under_compile() -> None:
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(16, 64, generator=g), torch.randn(64, generator=g)

@@ -64,6 +64,14 @@ struct Avx2 {
     for (int i = 0; i < n; ++i) out[i] = tmp[i];
   }
 
+  // v rounded to bf16 (nearest even, as torch rounds) and widened back: the value a bf16 tensor would hold.
+  static F round_bf16(F v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+
   // Lanes >= n replaced by `fill`.
   static F first_n(F v, int64_t n, F fill) {
     if (n >= W) return v;

@@ -60,6 +60,14 @@ struct Avx512 {
     _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(r));
   }
 
+  // v rounded to bf16 (nearest even, as torch rounds) and widened back: the value a bf16 tensor would hold.
+  static F round_bf16(F v) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+
   static F first_n(F v, int64_t n, F fill) {
     if (n >= W) return v;
     return _mm512_mask_mov_ps(fill, __mmask16((1u << n) - 1), v);
