@@ -77,7 +77,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default=None, metavar="PATH",
                    help="with --speculative draft: a small model (HF folder or .gguf) with the model's tokenizer "
                         "that drafts for it, with its own KV pool and compiled decode steps")
-    g.add_argument("--num-speculative-tokens", type=int, default=7,
+    g.add_argument("--num-speculative-tokens", type=int, default=15,
                    help="most draft tokens a request verifies per step (default: %(default)s)")
     g.add_argument("--kv-disk-cache-size", type=int, default=0, metavar="MIB",
                    help="MiB of the prefix cache's disk tier under --compile-cache-dir: cached K/V is written "

@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <memory>
 #include <omp.h>
-#include <vector>
 
 #include "common/block_range.h"
 
