@@ -7,20 +7,7 @@
 
 namespace {
 
-inline float bits_to_f32(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bits(float f) {  // nearest even, as torch rounds (finite values)
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float round_f32(float f) { return bits_to_f32(f32_to_bits(f)); }
+inline float round_f32(float f) { return bf16_value(bf16_bits(f)); }  // (common/dtypes.h)
 
 template <class V>
 struct NormRope {
@@ -42,12 +29,12 @@ struct NormRope {
       a0 = V::fma(v, v, a0);
     }
     float ss = V::hsum(V::add(a0, a1));
-    for (int64_t j = i; j < n; ++j) ss += bits_to_f32(x[j]) * bits_to_f32(x[j]);
+    for (int64_t j = i; j < n; ++j) ss += bf16_value(x[j]) * bf16_value(x[j]);
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
     const F vinv = V::set1(inv);
     for (i = 0; i + W <= n; i += W)
       V::store_bf16(out + i, V::mul(load(w + i), V::round_bf16(V::mul(load(x + i), vinv))), W);
-    for (; i < n; ++i) out[i] = f32_to_bits(bits_to_f32(w[i]) * round_f32(bits_to_f32(x[i]) * inv));
+    for (; i < n; ++i) out[i] = bf16_bits(bf16_value(w[i]) * round_f32(bf16_value(x[i]) * inv));
   }
 
   static void rope(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* o, int64_t rot, int64_t d) {
@@ -64,8 +51,8 @@ struct NormRope {
       }
       for (; i < half; ++i) {
         const int64_t k = at + i;
-        const float r = h == 0 ? -bits_to_f32(x[k + from]) : bits_to_f32(x[k + from]);
-        o[k] = f32_to_bits(round_f32(bits_to_f32(x[k]) * bits_to_f32(c[k])) + round_f32(r * bits_to_f32(s[k])));
+        const float r = h == 0 ? -bf16_value(x[k + from]) : bf16_value(x[k + from]);
+        o[k] = bf16_bits(round_f32(bf16_value(x[k]) * bf16_value(c[k])) + round_f32(r * bf16_value(s[k])));
       }
     }
     for (int64_t i = rot; i < d; ++i) o[i] = x[i];

@@ -66,8 +66,7 @@ void x16_to_vnni(const GgufLinearArgs& a, int64_t n0, int64_t k0, int64_t kc, ui
       // kPrefetch bytes ahead in this thread's stream (its blocks' groups lie back to back): the hardware prefetcher
       // stops at each 4 KiB page, and a SmolLM2 gate|up call at 32 rows took 190 us from memory against 150 from
       // the cache without this line, 162-168 with it (a Llama-1B layer's four calls 5-13 % faster at 16-32 rows).
-      for (int o = 0; o < 16 * bb; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + o), _MM_HINT_T0);
+      g_prefetch(blk, 16 * bb);
       uint16_t* out = col + (b * 32 - k0) / 2 * 64;  // B row of the block's first value pair
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
       const __m512 base = T == ember::kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(

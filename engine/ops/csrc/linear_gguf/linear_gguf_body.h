@@ -13,6 +13,7 @@
 // linear_fma_body.h for why no std:: templates).
 #pragma once
 
+#include "common/dtypes.h"
 #include "linear_gguf/linear_gguf_decode.h"
 
 namespace {
@@ -27,14 +28,13 @@ constexpr int kPrefetch = 2048;
 
 inline int64_t g_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-inline uint16_t g_to_bf16(float f) {  // round to nearest even, as torch rounds
-  uint32_t bits;
-  __builtin_memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+// The `bytes` of the weight stream kPrefetch ahead of p, into L1, a line at a time.
+inline void g_prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
 }
 
 inline void g_store(const GgufLinearArgs& a, int64_t at, float y) {
-  if (a.out_bf16) static_cast<uint16_t*>(a.out)[at] = g_to_bf16(y);
+  if (a.out_bf16) static_cast<uint16_t*>(a.out)[at] = bf16_bits(y);
   else static_cast<float*>(a.out)[at] = y;
 }
 
@@ -44,9 +44,7 @@ struct GgufBody {
   using F = typename V::F;
   static constexpr int R = V::R;
 
-  static void prefetch(const uint8_t* p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
-  }
+  static void prefetch(const uint8_t* p, int64_t bytes) { g_prefetch(p, bytes); }
 
   // res[r * MT + m] = row r0 + r of group g (NR rows) dotted with activation rows 0..MT-1, 32-value types.
   template <int T, int MT, int NR>

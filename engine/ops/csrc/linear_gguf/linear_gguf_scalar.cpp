@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/dtypes.h"
 #include "linear_gguf/linear_gguf.h"
 
 namespace {
@@ -22,12 +23,6 @@ float half_to_float(const uint8_t* p) {  // little-endian fp16 at p
     std::memcpy(&f, &bits, 4);
   }
   return sign ? -f : f;
-}
-
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // One block's codes as stored (before any offset), its scales, and how values follow from them.
@@ -143,7 +138,7 @@ void run_block(const GgufLinearArgs& a, int64_t block, float*) {
           y += blk.d * xd * static_cast<float>(isum) - blk.m * xd * static_cast<float>(msum);
         }
       }
-      if (a.out_bf16) static_cast<uint16_t*>(a.out)[m * a.n + n] = float_to_bf16(y);
+      if (a.out_bf16) static_cast<uint16_t*>(a.out)[m * a.n + n] = bf16_bits(y);
       else static_cast<float*>(a.out)[m * a.n + n] = y;
     }
   }

@@ -31,9 +31,7 @@ struct X16Dots {
   }
   template <int T> static constexpr int values() { return T == ember::kQ4_K ? 256 : 32; }
 
-  static void prefetch(const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
-  }
+  static void prefetch(const uint8_t* p, int bytes) { g_prefetch(p, bytes); }
 
   static uint32_t x4(const int8_t* x, int c) { return g_load32(reinterpret_cast<const uint8_t*>(x + 4 * c)); }
 

@@ -14,6 +14,7 @@
 // tiles pass over it, and activations stay in L1/L2.
 #pragma once
 
+#include "common/dtypes.h"
 #include "linear/linear_fma_body.h"
 #include "linear_q/linear_q.h"
 
@@ -34,12 +35,6 @@ inline float q_hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-inline uint16_t q_to_bf16(float f) {  // round to nearest even, as torch rounds
-  uint32_t bits;
-  __builtin_memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // A row's block of 32 weights widened to int16: values 0-15 in lo, 16-31 in hi. 4-bit: the 16 bytes in both
@@ -165,7 +160,7 @@ struct QLinearBody {
             float y = res[r * mt + m];
             if constexpr (MIN) y += mins4[r];
             const int64_t at = (m0 + m) * a.n + gi * 4 + r;
-            if (a.out_bf16) static_cast<uint16_t*>(a.out)[at] = q_to_bf16(y);
+            if (a.out_bf16) static_cast<uint16_t*>(a.out)[at] = bf16_bits(y);
             else static_cast<float*>(a.out)[at] = y;
           }
         }
@@ -258,7 +253,7 @@ struct QLinearBody {
       for (int64_t c = 0; c < nr; ++c) {
         const float y = acc[m * kQBlockRows + c];
         const int64_t at = m * a.n + n0 + c;
-        if (a.out_bf16) static_cast<uint16_t*>(a.out)[at] = q_to_bf16(y);
+        if (a.out_bf16) static_cast<uint16_t*>(a.out)[at] = bf16_bits(y);
         else static_cast<float*>(a.out)[at] = y;
       }
   }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/dtypes.h"
 #include "linear_q/linear_q.h"
 
 namespace {
@@ -26,19 +27,6 @@ float half_to_float(uint16_t h) {
     std::memcpy(&f, &bits, 4);
   }
   return sign ? -f : f;
-}
-
-float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 float scale_at(const void* p, bool f16, int64_t i) {
@@ -73,7 +61,7 @@ void run_block(const QLinearArgs& a, int64_t block, float*) {
       }
       if (l.has_min)
         for (int64_t g = 0; g < groups; ++g) y += scale_at(a.mins, l.f16_scales, sg + 4 * g + r) * a.xs[m * groups + g];
-      if (a.out_bf16) static_cast<uint16_t*>(a.out)[m * a.n + n] = float_to_bf16(y);
+      if (a.out_bf16) static_cast<uint16_t*>(a.out)[m * a.n + n] = bf16_bits(y);
       else static_cast<float*>(a.out)[m * a.n + n] = y;
     }
   }
@@ -86,7 +74,7 @@ void quantize(const float* xf, const uint16_t* xb, int64_t rows, int64_t k, int1
       float v[32], amax = 0.0f;
       for (int i = 0; i < 32; ++i) {
         const int64_t at = r * k + 32 * b + i;
-        v[i] = xf != nullptr ? xf[at] : bf16_to_float(xb[at]);
+        v[i] = xf != nullptr ? xf[at] : bf16_value(xb[at]);
         amax = std::fmax(amax, std::fabs(v[i]));
       }
       const float d = amax / ember::kQActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
