@@ -31,7 +31,8 @@ class EngineConfig:
     disable_compile: bool = False
     background_compile: bool = False  # serve before every decode bucket is compiled (engine/decode_graphs.py)
     compile_cache_dir: str | None = None
-    cpp_wrapper: bool = False
+    cpp_wrapper: bool = False  # inductor's C++ wrapper for the decode steps; `ember serve`'s default is on (faster
+    # steps, slower cold compiles); off here, as the library's other compile defaults, so in-process uses compile fast
     chunked_prefill_size: int = 512
     disable_prefix_cache: bool = False  # recompute every prompt instead of reusing cached prefixes' KV
     max_queued_requests: int = 1024

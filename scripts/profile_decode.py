@@ -2,7 +2,7 @@
 against the machine's read bandwidth, and a torch.profiler breakdown.
 
     .venv/bin/python scripts/profile_decode.py [MODEL] [--batch 1] [--threads 2]
-        [--eager] [--context 128] [--steps 20] [--compile-cache-dir DIR] [--shapes]
+        [--eager] [--context 128] [--steps 20] [--compile-cache-dir DIR] [--no-cpp-wrapper] [--shapes]
 
 MODEL: a GGUF file or HF folder (default: the embedded model). Random prompts of --context tokens are prefilled,
 then --steps decode steps timed (every step rewrites the same slots: fine for timing), then 10 profiled.
@@ -47,13 +47,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile-cache-dir", default=None)
+    ap.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
+                    help="inductor's C++ wrapper, as `ember serve` compiles (default: %(default)s)")
     ap.add_argument("--rows", type=int, default=15, help="rows of the profiler table")
     ap.add_argument("--shapes", action="store_true", help="the profiler table by op and input shapes")
     a = ap.parse_args()
     bs = a.batch
     cfg = EngineConfig(model=a.model, max_total_tokens=bs * (a.context + 64), max_running_requests=bs,
                        decode_buckets=(bs,), disable_compile=a.eager, num_threads=a.threads,
-                       compile_cache_dir=a.compile_cache_dir, background_compile=False).resolved()
+                       compile_cache_dir=a.compile_cache_dir, background_compile=False,
+                       cpp_wrapper=a.cpp_wrapper).resolved()
     prepared = (PreparedModel(a.compile_cache_dir, resolve_model_path(a.model))
                 if a.compile_cache_dir and a.model else None)
     runner = ModelRunner(cfg, open_cached(a.model, prepared) if a.model else open_cached(None, None), None, prepared)

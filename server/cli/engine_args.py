@@ -60,8 +60,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="persistent cache: inductor's kernels, each bucket's saved decode step and a prepared "
                         "copy of the model, so a restart skips compiling and checkpoint parsing "
                         "(default: %(default)s)")
-    g.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=False,
-                   help="inductor C++ wrapper for the decode graphs (default: %(default)s)")
+    g.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the decode steps with inductor's C++ wrapper: the ~450 calls a step makes go from "
+                        "C++ instead of Python (SmolLM2's one-row step ~12 %% faster), for about twice the compile "
+                        "time of each bucket on a cold cache (default: %(default)s)")
     g.add_argument("--chunked-prefill-size", type=int, default=512,
                    help="most prompt tokens prefilled in one step (default: %(default)s)")
     g.add_argument("--disable-prefix-cache", action=argparse.BooleanOptionalAction, default=False,

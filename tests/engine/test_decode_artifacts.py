@@ -10,6 +10,8 @@ import torch._dynamo
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.loader import open_checkpoint
+from engine.model_runner import ModelRunner
 from engine.ops.native import NATIVE_LINEAR, forced_isa
 from engine.sampling_params import SamplingParams
 from isa_tiers import LINEAR
@@ -19,9 +21,10 @@ CASES = [pytest.param("bfloat16", p.values[0], id=f"bfloat16-{p.id}", marks=p.ma
 CASES.append(pytest.param("float32", None, id="float32"))
 
 
-def _core(folder: Path, cache: Path, max_total_tokens: int = 512, dtype: str = "bfloat16") -> EngineCore:
+def _core(folder: Path, cache: Path, max_total_tokens: int = 512, dtype: str = "bfloat16",
+          cpp_wrapper: bool = False) -> EngineCore:
     return EngineCore(EngineConfig(model=str(folder), dtype=dtype, max_total_tokens=max_total_tokens,
-                                   max_running_requests=2, compile_cache_dir=str(cache)))
+                                   max_running_requests=2, compile_cache_dir=str(cache), cpp_wrapper=cpp_wrapper))
 
 
 @pytest.mark.parametrize("dtype,isa", CASES)
@@ -51,6 +54,34 @@ def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert second.generate(prompts, greedy) == want
         assert second.generate(prompts[:1], greedy) == want[:1]  # bucket 1 too
+
+
+def test_cpp_wrapper_steps_save_load_and_decode_as_eager(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """`ember serve` compiles its decode steps with inductor's C++ wrapper (the suite's other tests take the Python
+    one, which compiles in half the time): its steps are saved and loaded as the Python wrapper's are, their folder
+    is their own, and they decode in fp32 exactly as the eager model does."""
+    folder = make_tiny_model("llama", tie_word_embeddings=True)
+    prompts = [[5, 9, 11, 40, 2], [7, 3]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = EngineCore(EngineConfig(model=str(folder), dtype="float32", max_total_tokens=512, max_running_requests=2,
+                                    disable_compile=True))
+    want = eager.generate(prompts, greedy)
+    torch._dynamo.reset()
+    first = _core(folder, tmp_path, dtype="float32", cpp_wrapper=True)
+    graphs = first.runner.graphs
+    assert graphs.cpp_wrapper and all(o.startswith("compiled ahead of time") for o in graphs.outcomes.values())
+    assert first.generate(prompts, greedy) == want
+    torch._dynamo.reset()  # as in a new process
+    again = _core(folder, tmp_path, dtype="float32", cpp_wrapper=True)
+    assert again.runner.graphs.artifact_dir == graphs.artifact_dir
+    assert all(o.startswith("loaded") for o in again.runner.graphs.outcomes.values())
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert again.generate(prompts, greedy) == want
+        assert again.generate(prompts[:1], greedy) == want[:1]
+    assert again.runner.graphs.steps_per_bucket[2] > 0 and again.runner.graphs.steps_per_bucket[1] > 0
+    python_wrapper = EngineConfig(model=str(folder), dtype="float32", max_total_tokens=512, max_running_requests=2,
+                                  compile_cache_dir=str(tmp_path), disable_compile=True)
+    assert ModelRunner(python_wrapper, open_checkpoint(str(folder)))._decode_artifact_dir() != graphs.artifact_dir
 
 
 def test_another_pool_size_loads_every_saved_step_and_decodes_as_eager(make_tiny_model: Callable[..., Path],
@@ -86,9 +117,6 @@ def test_the_pool_size_from_free_memory_does_not_change_the_saved_steps(make_tin
     """Without --max-total-tokens the pool is a fraction of the memory free at start: two starts that see different
     free memory name the same folder of saved steps (nothing is compiled here: the folder is only named)."""
     import psutil
-
-    from engine.loader import open_checkpoint
-    from engine.model_runner import ModelRunner
 
     folder = make_tiny_model("llama", tie_word_embeddings=True)
     real = psutil.virtual_memory
