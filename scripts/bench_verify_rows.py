@@ -4,7 +4,7 @@ step with one row each. Prints the median ms per step and its ratio to r = 1: th
 one pass (docs/speculative-decoding.md).
 
     .venv/bin/python scripts/bench_verify_rows.py [MODEL] [--requests 1] [--rows 1 2 4 8]
-        [--context 384] [--threads 2] [--eager] [--llama1b]
+        [--context 384] [--threads 2] [--eager] [--no-cpp-wrapper] [--llama1b]
 
 MODEL: a GGUF file or HF folder (default: the embedded SmolLM2). Each request holds --context tokens of random
 prompt (prefilled once), so the attention reads a realistic context. The steps run the compiled decode bucket of
@@ -55,7 +55,8 @@ def measure(model: str | None, args: argparse.Namespace) -> None:
     buckets = tuple(sorted({args.requests * r for r in args.rows}))
     cfg = EngineConfig(model=model, max_total_tokens=args.requests * (args.context + 64) + 1024,
                        max_running_requests=max(buckets), decode_buckets=buckets, disable_compile=args.eager,
-                       num_threads=args.threads, background_compile=False).resolved()
+                       num_threads=args.threads, background_compile=False,
+                       cpp_wrapper=args.cpp_wrapper).resolved()
     runner = ModelRunner(cfg, open_checkpoint(model))
     gen = torch.Generator().manual_seed(0)
     chunks, req_rows = [], []
@@ -80,6 +81,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=384)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
+                    help="inductor's C++ wrapper, as `ember serve` compiles (default: %(default)s)")
     ap.add_argument("--llama1b", action="store_true")
     args = ap.parse_args()
     if args.llama1b:
