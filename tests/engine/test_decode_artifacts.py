@@ -27,6 +27,17 @@ def _core(folder: Path, cache: Path, max_total_tokens: int = 512, dtype: str = "
                                    max_running_requests=2, compile_cache_dir=str(cache), cpp_wrapper=cpp_wrapper))
 
 
+PROMPTS = [[5, 9, 11, 40, 2], [7, 3]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _eager_tokens(folder: Path) -> list:
+    """PROMPTS' GREEDY tokens from the eager fp32 model: what every compiled step must reproduce."""
+    eager = EngineCore(EngineConfig(model=str(folder), dtype="float32", max_total_tokens=512, max_running_requests=2,
+                                    disable_compile=True))
+    return eager.generate(PROMPTS, GREEDY)
+
+
 @pytest.mark.parametrize("dtype,isa", CASES)
 def test_restart_loads_saved_steps_and_decodes_the_same(make_tiny_model: Callable[..., Path], tmp_path: Path,
                                                         dtype: str, isa: str | None) -> None:
@@ -61,23 +72,19 @@ def test_cpp_wrapper_steps_save_load_and_decode_as_eager(make_tiny_model: Callab
     one, which compiles in half the time): its steps are saved and loaded as the Python wrapper's are, their folder
     is their own, and they decode in fp32 exactly as the eager model does."""
     folder = make_tiny_model("llama", tie_word_embeddings=True)
-    prompts = [[5, 9, 11, 40, 2], [7, 3]]
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    eager = EngineCore(EngineConfig(model=str(folder), dtype="float32", max_total_tokens=512, max_running_requests=2,
-                                    disable_compile=True))
-    want = eager.generate(prompts, greedy)
+    want = _eager_tokens(folder)
     torch._dynamo.reset()
     first = _core(folder, tmp_path, dtype="float32", cpp_wrapper=True)
     graphs = first.runner.graphs
     assert graphs.cpp_wrapper and all(o.startswith("compiled ahead of time") for o in graphs.outcomes.values())
-    assert first.generate(prompts, greedy) == want
+    assert first.generate(PROMPTS, GREEDY) == want
     torch._dynamo.reset()  # as in a new process
     again = _core(folder, tmp_path, dtype="float32", cpp_wrapper=True)
     assert again.runner.graphs.artifact_dir == graphs.artifact_dir
     assert all(o.startswith("loaded") for o in again.runner.graphs.outcomes.values())
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert again.generate(prompts, greedy) == want
-        assert again.generate(prompts[:1], greedy) == want[:1]
+        assert again.generate(PROMPTS, GREEDY) == want
+        assert again.generate(PROMPTS[:1], GREEDY) == want[:1]
     assert again.runner.graphs.steps_per_bucket[2] > 0 and again.runner.graphs.steps_per_bucket[1] > 0
     python_wrapper = EngineConfig(model=str(folder), dtype="float32", max_total_tokens=512, max_running_requests=2,
                                   compile_cache_dir=str(tmp_path), disable_compile=True)
@@ -89,11 +96,7 @@ def test_another_pool_size_loads_every_saved_step_and_decodes_as_eager(make_tiny
     """The KV pool follows the memory free at start (or --max-total-tokens); its slot count is symbolic in the saved
     steps, so a restart with another pool size loads every bucket instead of compiling them all again."""
     folder = make_tiny_model("llama", tie_word_embeddings=True)
-    prompts = [[5, 9, 11, 40, 2], [7, 3]]
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    eager = EngineCore(EngineConfig(model=str(folder), dtype="float32", max_total_tokens=512, max_running_requests=2,
-                                    disable_compile=True))
-    want = eager.generate(prompts, greedy)
+    want = _eager_tokens(folder)
     torch._dynamo.reset()
     first = _core(folder, tmp_path, max_total_tokens=512, dtype="float32")
     assert all(o.startswith("compiled ahead of time") for o in first.runner.graphs.outcomes.values())
@@ -105,8 +108,8 @@ def test_another_pool_size_loads_every_saved_step_and_decodes_as_eager(make_tiny
     assert sorted(graphs.outcomes) == [1, 2] and all(o.startswith("loaded") for o in graphs.outcomes.values())
     assert max(graphs.compile_seconds.values()) < min(first.runner.graphs.compile_seconds.values())
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert other.generate(prompts, greedy) == want
-        assert other.generate(prompts[:1], greedy) == want[:1]
+        assert other.generate(PROMPTS, GREEDY) == want
+        assert other.generate(PROMPTS[:1], GREEDY) == want[:1]
     assert graphs.steps_per_bucket[2] > 0 and graphs.steps_per_bucket[1] > 0
     assert sorted(p.name for p in (tmp_path / "decode-steps").iterdir()) == [graphs.artifact_dir.name]
 
