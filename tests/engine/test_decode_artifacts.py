@@ -19,16 +19,14 @@ from isa_tiers import LINEAR
 # bf16 on every tier with a packed linear kernel, and fp32: no dtype or CPU falls back to freezing.
 CASES = [pytest.param("bfloat16", p.values[0], id=f"bfloat16-{p.id}", marks=p.marks) for p in LINEAR]
 CASES.append(pytest.param("float32", None, id="float32"))
+PROMPTS = [[5, 9, 11, 40, 2], [7, 3]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def _core(folder: Path, cache: Path, max_total_tokens: int = 512, dtype: str = "bfloat16",
           cpp_wrapper: bool = False) -> EngineCore:
     return EngineCore(EngineConfig(model=str(folder), dtype=dtype, max_total_tokens=max_total_tokens,
                                    max_running_requests=2, compile_cache_dir=str(cache), cpp_wrapper=cpp_wrapper))
-
-
-PROMPTS = [[5, 9, 11, 40, 2], [7, 3]]
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def _eager_tokens(folder: Path) -> list:
@@ -46,7 +44,6 @@ def test_restart_loads_saved_steps_and_decodes_the_same(make_tiny_model: Callabl
 
 
 def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None:
-    prompts = [[5, 9, 11, 40, 2], [7, 3]]
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     torch._dynamo.reset()
     first = _core(folder, tmp_path, dtype=dtype)
@@ -55,7 +52,7 @@ def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None
     assert first.runner.model.packed == NATIVE_LINEAR  # both dtypes run packed kernels on AVX2 and up
     assert all(o.startswith("compiled ahead of time") for o in graphs.outcomes.values())
     assert sorted(p.name for p in graphs.artifact_dir.iterdir()) == ["bucket-1.bin", "bucket-2.bin"]
-    want = first.generate(prompts, greedy)
+    want = first.generate(PROMPTS, greedy)
     assert first.runner.graphs.steps_per_bucket[2] > 0  # the batch of two really ran the compiled bucket
 
     torch._dynamo.reset()  # as in a new process: nothing compiled is left in memory
@@ -63,8 +60,8 @@ def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None
     assert second.runner.graphs.artifact_dir == graphs.artifact_dir
     assert all(o.startswith("loaded") for o in second.runner.graphs.outcomes.values())
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert second.generate(prompts, greedy) == want
-        assert second.generate(prompts[:1], greedy) == want[:1]  # bucket 1 too
+        assert second.generate(PROMPTS, greedy) == want
+        assert second.generate(PROMPTS[:1], greedy) == want[:1]  # bucket 1 too
 
 
 def test_cpp_wrapper_steps_save_load_and_decode_as_eager(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:

@@ -46,13 +46,15 @@ void by_dtype(const at::Tensor& x, const char* op, const Fn& fn) {
   }
 }
 
-// The active tier's bf16 row kernels (norm_rope.h); the scalar tier's are the generic loops below (null).
-RowKernels row_kernels() {
+// The active tier's bf16 row kernel(s) (norm_rope.h, silu_mul.h); on the scalar tier `none` (null: the generic loops
+// below).
+template <class K>
+K for_tier(K none, K (*avx2)(), K (*avx512)()) {
   const Isa isa = active_isa();
-  return isa == Isa::kScalar ? RowKernels{nullptr, nullptr}
-         : isa == Isa::kAvx2 ? row_kernels_avx2()
-                             : row_kernels_avx512();
+  return isa == Isa::kScalar ? none : isa == Isa::kAvx2 ? avx2() : avx512();
 }
+
+RowKernels row_kernels() { return for_tier(RowKernels{nullptr, nullptr}, row_kernels_avx2, row_kernels_avx512); }
 
 // weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension (HF's LlamaRMSNorm order: normalise in fp32, round
 // to x's dtype, then scale in that dtype).
@@ -147,10 +149,7 @@ at::Tensor silu_mul(const at::Tensor& x, const at::Tensor& table) {
               "silu_mul's table must be 65537 contiguous 16-bit entries");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   at::Tensor out = at::empty({T, I}, x.options());
-  const Isa isa = active_isa();
-  const SiluMulRow row = isa == Isa::kScalar ? nullptr
-                         : isa == Isa::kAvx2  ? silu_mul_row_avx2()
-                                              : silu_mul_row_avx512();
+  const SiluMulRow row = for_tier<SiluMulRow>(nullptr, silu_mul_row_avx2, silu_mul_row_avx512);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
