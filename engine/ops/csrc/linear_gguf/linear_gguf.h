@@ -101,10 +101,14 @@ inline int64_t gguf_amx_min_rows(int64_t qtype) {
 // 64 2.2 / 3.1 / 2.3, at 128 1.2 / 1.6 / 1.8. (Each activation row costs amx8 its own epilogue; bf16 AMX's
 // weight conversion is shared by all rows, so it wins from 32 rows, Q4_K's from 128.) Whole compiled steps of 32 rows
 // agree (scripts/profile_decode.py --batch 32 --context 256, amx8 against bf16 AMX there, twice): 1B Q8_0 137.8,
-// 143.5 against 131.1, 132.1 ms; SmolLM2 Q4_1 33.7, 34.3 against 32.1, 32.3.
+// 143.5 against 131.1, 132.1 ms; SmolLM2 Q4_1 33.7, 34.3 against 32.1, 32.3. At 24 rows the 32-value types go to
+// bf16 AMX too (2026-12-06, alternated, us a layer from memory, min of 7): SmolLM2's Q4_1 layers 465-501 against
+// 374-441, the 1B's Q8_0 6.8-7.0 against 6.4-6.5 ms, its Q4_1 5.3-5.5 against 5.7-5.9 (the one loss); whole steps
+// (scripts/bench_verify_rows.py shapes, 8 SmolLM2 requests x 3 rows) 28.2-29.3 -> 25.6-27.6 ms, the 1B Q8_0 at
+// batch 24 137-140 -> 121-133 ms.
 inline std::pair<int64_t, int64_t> gguf_amx8_rows(int64_t qtype) {
   if (!gguf_x16(qtype)) return {0, 0};
-  return {12, qtype == kQ4_K ? 128 : 32};
+  return {12, qtype == kQ4_K ? 128 : 24};
 }
 constexpr int64_t kGgufTileChunk = 512;  // K values per tile (a multiple of 256): 512 x 32 x 4 B = 64 KiB, in L2
 
