@@ -44,7 +44,6 @@ def test_restart_loads_saved_steps_and_decodes_the_same(make_tiny_model: Callabl
 
 
 def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None:
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     torch._dynamo.reset()
     first = _core(folder, tmp_path, dtype=dtype)
     graphs = first.runner.graphs
@@ -52,7 +51,7 @@ def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None
     assert first.runner.model.packed == NATIVE_LINEAR  # both dtypes run packed kernels on AVX2 and up
     assert all(o.startswith("compiled ahead of time") for o in graphs.outcomes.values())
     assert sorted(p.name for p in graphs.artifact_dir.iterdir()) == ["bucket-1.bin", "bucket-2.bin"]
-    want = first.generate(PROMPTS, greedy)
+    want = first.generate(PROMPTS, GREEDY)
     assert first.runner.graphs.steps_per_bucket[2] > 0  # the batch of two really ran the compiled bucket
 
     torch._dynamo.reset()  # as in a new process: nothing compiled is left in memory
@@ -60,8 +59,8 @@ def _restart_loads_saved_steps(folder: Path, tmp_path: Path, dtype: str) -> None
     assert second.runner.graphs.artifact_dir == graphs.artifact_dir
     assert all(o.startswith("loaded") for o in second.runner.graphs.outcomes.values())
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert second.generate(PROMPTS, greedy) == want
-        assert second.generate(PROMPTS[:1], greedy) == want[:1]  # bucket 1 too
+        assert second.generate(PROMPTS, GREEDY) == want
+        assert second.generate(PROMPTS[:1], GREEDY) == want[:1]  # bucket 1 too
 
 
 def test_cpp_wrapper_steps_save_load_and_decode_as_eager(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:

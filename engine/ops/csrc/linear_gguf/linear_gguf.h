@@ -99,7 +99,7 @@ inline int64_t gguf_amx_min_rows(int64_t qtype) {
 // Q4_0 8.4 / 11.1 / 6.8, Q4_1 9.0 / 11.3 / 8.3, Q8_0 12.2 / 14.2 / 12.1, Q4_K 7.9 / 10.3 / 2.7; at 24 Q4_1 6.2 /
 // 6.9 / 6.6, Q8_0 9.2 / 10.2 / 9.8; at 32 Q4_1 4.8 / 6.0 / 6.7, Q8_0 7.2 / 9.3 / 9.9, Q4_K 4.4 / 5.3 / 2.4; Q4_K at
 // 64 2.2 / 3.1 / 2.3, at 128 1.2 / 1.6 / 1.8. (Each activation row costs amx8 its own epilogue; bf16 AMX's
-// weight conversion is shared by all rows, so it wins from 32 rows, Q4_K's from 128.) Whole compiled steps of 32 rows
+// weight conversion is shared by all rows, so it wins from 24 rows, Q4_K's from 128.) Whole compiled steps of 32 rows
 // agree (scripts/profile_decode.py --batch 32 --context 256, amx8 against bf16 AMX there, twice): 1B Q8_0 137.8,
 // 143.5 against 131.1, 132.1 ms; SmolLM2 Q4_1 33.7, 34.3 against 32.1, 32.3. At 24 rows the 32-value types go to
 // bf16 AMX too (2026-12-06, alternated, us a layer from memory, min of 7): SmolLM2's Q4_1 layers 465-501 against
