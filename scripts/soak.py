@@ -55,12 +55,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
@@ -69,61 +66,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "support"))
 
 from router_harness import Cluster, Replica, start_cluster, stop_cluster  # noqa: E402
-from server_harness import API_KEY, MODEL_NAME, idle, metrics, tiny_server_args  # noqa: E402
+from server_harness import MODEL_NAME, idle, metrics, tiny_server_args  # noqa: E402
+from soak_http import (Attempt, auth, bad_requests, body_texts, direct_client, greedy_specs, long_text,  # noqa: E402
+                       post, post_bad, words)
+from soak_verdict import Fault, Life, Request, judge, print_summary  # noqa: E402
 
 SOAK_CONTEXT = 4096  # the tiny model's context: long prompts near it prefill in ~0.5 s on one thread
-RSS_BOUND_MIB = 150.0
-RSS_BOUND_FRAC = 0.25
-FAULT_GRACE_S = 5.0  # after smg reports the replica healthy again: requests routed just before still drain
-GREEDY_MAX_TOKENS = 32
-DOCUMENTED_503 = {"draining", "service_unavailable"}
 KINDS = {"sample": 30, "greedy": 30, "long": 8, "disconnect": 12, "bad": 10}  # relative weights
-# Characters that occur nowhere in the tiny tokenizer's training corpus: no BPE merge joins them, so each is one
-# token there. With another model the size is calibrated against its tokenizer anyway (long_prompt_chars).
-LONG_ALPHABET = "BCDGJKLMNQRSUVWXYZ"
-
-
-# ---- requests ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GreedySpec:
-    key: str
-    path: str
-    body: dict[str, Any]
-
-
-def greedy_specs() -> list[GreedySpec]:
-    """The fixed prompts whose outputs must not depend on what else runs (batching, routing, prefix cache)."""
-    base = {"model": MODEL_NAME, "max_tokens": GREEDY_MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    prompts = ["Hello", "The capital of France is", "a quick brown fox " * 4,
-               "Once upon a time there was a small model that answered questions. " * 6,
-               " ".join(f"item{i}" for i in range(60)), "0123456789 " * 20]
-    specs = [GreedySpec(f"cmpl{i}", "/v1/completions", {**base, "prompt": p}) for i, p in enumerate(prompts)]
-    chats = [[{"role": "user", "content": "Hi there"}],
-             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How are you today?"}],
-             [{"role": "user", "content": "Tell me a story about a lazy dog. " * 5}]]
-    specs += [GreedySpec(f"chat{i}", "/v1/chat/completions", {**base, "messages": m}) for i, m in enumerate(chats)]
-    specs.append(GreedySpec("chat_n2", "/v1/chat/completions", {**base, "n": 2, "messages": chats[1]}))
-    return specs
-
-
-def bad_requests(context: int, max_n: int) -> list[tuple[str, str, dict[str, Any] | bytes, int]]:
-    """(name, path, body, the documented status). Checked once against the router before the soak: some are
-    refused by smg's own validation (temperature, top_p, messages), the rest are forwarded and Ember refuses them."""
-    m = MODEL_NAME
-    return [
-        ("temperature<0", "/v1/completions", {"model": m, "prompt": "x", "temperature": -1}, 400),
-        ("max_tokens=0", "/v1/completions", {"model": m, "prompt": "x", "max_tokens": 0}, 400),
-        ("top_p=0", "/v1/completions", {"model": m, "prompt": "x", "max_tokens": 2, "top_p": 0}, 400),
-        ("n>max_n", "/v1/completions", {"model": m, "prompt": "x", "max_tokens": 2, "n": max_n + 1}, 400),
-        ("over_context", "/v1/completions", {"model": m, "prompt": "x", "max_tokens": context + 1}, 400),
-        ("over_context_stream", "/v1/chat/completions",
-         {"model": m, "messages": [{"role": "user", "content": "x"}], "max_tokens": context + 1, "stream": True}, 400),
-        ("empty_messages", "/v1/chat/completions", {"model": m, "messages": []}, 400),
-        ("bad_role", "/v1/chat/completions", {"model": m, "messages": [{"role": "robot", "content": "x"}]}, 400),
-        ("logit_bias_key", "/v1/completions", {"model": m, "prompt": "x", "logit_bias": {"abc": 1}}, 400),
-        ("not_json", "/v1/completions", b"{not json", 400),
-        ("unknown_model", "/v1/completions", {"model": "gpt-4", "prompt": "x", "max_tokens": 2}, 404),
-    ]
 
 
 T0 = time.monotonic()
@@ -132,191 +81,6 @@ T0 = time.monotonic()
 def say(msg: str) -> None:
     """A progress line (stdout; the summary comes at the end)."""
     print(f"[{time.monotonic() - T0:6.1f} s] {msg}", flush=True)
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(["alpha", "bravo", "charlie", "delta", "echo", "fox", "golf", "hotel"])
-                    + str(rng.randrange(100)) for _ in range(n))
-
-
-def long_text(rng: random.Random, chars: int) -> str:
-    """Random 5-letter groups: fresh every time, so each long prompt is a real prefill, not a prefix-cache hit."""
-    groups = (chars + 5) // 6
-    return " ".join("".join(rng.choice(LONG_ALPHABET) for _ in range(5)) for _ in range(groups))[:chars]
-
-
-# ---- one attempt ---------------------------------------------------------------------------------------------
-@dataclass
-class Attempt:
-    kind: str
-    outcome: str  # ok | aborted | bad_ok | doc503 | fault | invalid
-    status: int | str  # HTTP status, or "transport" / "timeout"
-    t0: float
-    t1: float
-    detail: str = ""
-    texts: dict[int, str] = field(default_factory=dict)
-    retry_after: float = 0.0
-    rid: str = ""  # the response id, which Ember's per-request log line carries
-
-
-@dataclass
-class StreamRead:
-    texts: dict[int, str]
-    finishes: dict[int, str]
-    chunks: int
-    done: bool
-    error: str | None
-    rid: str = ""
-
-
-def read_stream(resp: httpx.Response, stop_after: int | None = None) -> StreamRead:
-    """Text and finish reason per choice index of an SSE stream (completions or chat); stops after `stop_after`
-    content chunks when given (the caller then closes the connection: a client disconnect)."""
-    texts: dict[int, str] = defaultdict(str)
-    finishes: dict[int, str] = {}
-    chunks, done, error, rid = 0, False, None, ""
-    for line in resp.iter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: "):]
-        if data == "[DONE]":
-            done = True
-            break
-        obj = json.loads(data)
-        if "error" in obj:  # smg's event when the upstream replica died mid-stream
-            error = json.dumps(obj)[:300]
-            continue
-        rid = rid or obj.get("id", "")
-        for ch in obj.get("choices") or []:
-            texts[ch["index"]] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-            if ch.get("finish_reason"):
-                finishes[ch["index"]] = ch["finish_reason"]
-        chunks += 1
-        if stop_after is not None and chunks >= stop_after:
-            break
-    return StreamRead(dict(texts), finishes, chunks, done, error, rid)
-
-
-def body_texts(body: dict[str, Any]) -> tuple[dict[int, str], dict[int, str]]:
-    texts, finishes = {}, {}
-    for ch in body["choices"]:
-        texts[ch["index"]] = ch["text"] if "text" in ch else (ch["message"].get("content") or "")
-        finishes[ch["index"]] = ch["finish_reason"]
-    return texts, finishes
-
-
-def classify_error(resp: httpx.Response, kind: str, t0: float) -> Attempt:
-    """An error status: a documented 503, a retryable fault (other 5xx), or invalid (a 4xx to a valid request)."""
-    status = resp.status_code
-    try:
-        err = resp.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        err = None
-    text = resp.text[:300]
-    if status == 503 and err and err.get("code") in DOCUMENTED_503:
-        return Attempt(kind, "doc503", status, t0, time.monotonic(), text,
-                       retry_after=float(resp.headers.get("Retry-After", "1")))
-    return Attempt(kind, "fault" if status >= 500 else "invalid", status, t0, time.monotonic(), text)
-
-
-def post(client: httpx.Client, kind: str, path: str, body: dict[str, Any], n: int, *, stream: bool,
-         stop_after: int | None = None, read_timeout: float | None = None) -> Attempt:
-    """One attempt, validated: `ok` means a whole, well-formed answer with n choices that all finished."""
-    t0 = time.monotonic()
-    timeout = httpx.Timeout(120.0, read=read_timeout) if read_timeout else httpx.USE_CLIENT_DEFAULT
-    try:
-        if not stream:
-            resp = client.post(path, json=body, timeout=timeout)
-            if resp.status_code != 200:
-                return classify_error(resp, kind, t0)
-            texts, finishes = body_texts(resp.json())
-            done, error, rid = True, None, resp.json().get("id", "")
-        else:
-            with client.stream("POST", path, json={**body, "stream": True}, timeout=timeout) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    return classify_error(resp, kind, t0)
-                got = read_stream(resp, stop_after)
-            if stop_after is not None and not got.done and got.error is None:
-                return Attempt(kind, "aborted", 200, t0, time.monotonic(), texts=got.texts, rid=got.rid)
-            texts, finishes, done, error, rid = got.texts, got.finishes, got.done, got.error, got.rid
-    except httpx.TimeoutException as exc:
-        if read_timeout:  # the intended disconnect of a client that gave up
-            return Attempt(kind, "aborted", "client_timeout", t0, time.monotonic())
-        return Attempt(kind, "fault", "timeout", t0, time.monotonic(), repr(exc))
-    except httpx.TransportError as exc:
-        return Attempt(kind, "fault", "transport", t0, time.monotonic(), repr(exc))
-    except (ValueError, KeyError, TypeError) as exc:
-        return Attempt(kind, "invalid", 200, t0, time.monotonic(), f"malformed body: {exc!r}")
-    t1 = time.monotonic()
-    if error is not None or not done:
-        return Attempt(kind, "fault", "stream_error" if error else "stream_cut", t0, t1, error or "no [DONE]",
-                       texts=texts)
-    if sorted(finishes) != list(range(n)) or any(f not in ("length", "stop") for f in finishes.values()):
-        return Attempt(kind, "invalid", 200, t0, t1, f"choices/finish reasons {finishes} for n={n}")
-    return Attempt(kind, "ok", 200, t0, t1, texts=texts, rid=rid)
-
-
-def post_bad(client: httpx.Client, path: str, body: dict[str, Any] | bytes, expected: int) -> Attempt:
-    t0 = time.monotonic()
-    try:
-        if isinstance(body, bytes):
-            resp = client.post(path, content=body, headers={"content-type": "application/json"})
-        else:
-            resp = client.post(path, json=body)
-    except httpx.TransportError as exc:
-        return Attempt("bad", "fault", "transport", t0, time.monotonic(), repr(exc))
-    if resp.status_code == expected:
-        try:
-            err = resp.json()["error"]
-            shaped = isinstance(err["message"], str) and isinstance(err["type"], str) and "Traceback" not in resp.text
-        except (ValueError, KeyError, TypeError):
-            shaped = False
-        if shaped:
-            return Attempt("bad", "bad_ok", expected, t0, time.monotonic())
-        return Attempt("bad", "invalid", expected, t0, time.monotonic(), f"not OpenAI's error shape: {resp.text[:200]}")
-    if resp.status_code >= 500:
-        return classify_error(resp, "bad", t0)
-    return Attempt("bad", "invalid", resp.status_code, t0, time.monotonic(),
-                   f"{path} {str(body)[:80]}: expected {expected}: {resp.text[:200]}")
-
-
-# ---- the soak ------------------------------------------------------------------------------------------------
-@dataclass
-class Life:
-    """One process of a replica: a restarted replica gets a new one."""
-    pid: int
-    rss_start_mib: float
-    rss_end_mib: float = 0.0
-    rss_peak_mib: float = 0.0
-    ended: str = "running"  # running | drained | killed
-    samples: list[float] = field(default_factory=list)  # RSS every ~5 s: a plateau or a slope
-
-    @property
-    def growth_mib(self) -> float:
-        return self.rss_end_mib - self.rss_start_mib
-
-    def bound_mib(self) -> float:
-        return max(RSS_BOUND_MIB, RSS_BOUND_FRAC * self.rss_start_mib)
-
-
-@dataclass
-class Fault:
-    kind: str  # drain | kill
-    replica: int
-    t_signal: float
-    t_healthy: float = float("inf")
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    def covers(self, t0: float, t1: float) -> bool:
-        return t0 <= self.t_healthy + FAULT_GRACE_S and t1 >= self.t_signal
-
-
-@dataclass
-class Request:
-    kind: str
-    attempts: list[Attempt]
-    greedy_key: str | None = None
 
 
 class Soak:
@@ -540,14 +304,6 @@ class Soak:
 
 
 # ---- helpers on replicas -------------------------------------------------------------------------------------
-def auth() -> dict[str, str]:
-    return {"Authorization": f"Bearer {API_KEY}"}
-
-
-def direct_client(replica: Replica) -> httpx.Client:
-    return httpx.Client(base_url=replica.url, headers=auth(), timeout=120)
-
-
 def rss_mib(replica: Replica) -> float:
     """Resident memory of the replica process and any children (the engine runs in-process, threads only)."""
     proc = psutil.Process(replica.server.proc.pid)
@@ -562,154 +318,6 @@ def wait_idle(replica: Replica, timeout: float) -> dict[str, float]:
         if idle(m) or time.monotonic() > deadline:
             return m
         time.sleep(0.05)  # poll interval of a bounded wait on another process
-
-
-FINISHED_RE = re.compile(r"request (\S+) finished: .* finish_reason=(\w+)")
-
-
-def finished_in_log(replica: Replica, offset: int, skip: set[str]) -> Counter[str]:
-    """Finish reasons of the requests logged since `offset` but those in `skip`: the log is appended across
-    restarts, unlike /metrics, so it counts every life of the replica."""
-    text = replica.log_path.read_text(errors="replace")[offset:]
-    return Counter(reason for rid, reason in FINISHED_RE.findall(text) if rid not in skip)
-
-
-def log_errors(replica: Replica, offset: int) -> list[str]:
-    text = replica.log_path.read_text(errors="replace")[offset:]
-    return [line[:300] for line in text.splitlines() if "unhandled error" in line or "Traceback" in line
-            or " ERROR " in line]
-
-
-# ---- verdict -------------------------------------------------------------------------------------------------
-def judge(soak: Soak, end_metrics: dict[int, dict[str, float]], problems_solo: list[str]) -> dict[str, Any]:
-    reqs = soak.requests
-    attempts = [a for r in reqs for a in r.attempts]
-    violations: list[str] = list(soak.crashes)
-    excused = doc503 = 0
-    for r in reqs:
-        for i, a in enumerate(r.attempts):
-            last = i == len(r.attempts) - 1
-            if a.status == 500:
-                violations.append(f"{r.kind}: 500: {a.detail}")
-            elif a.outcome == "invalid":
-                violations.append(f"{r.kind}: invalid answer ({a.status}): {a.detail}")
-            elif a.outcome == "doc503":
-                doc503 += 1
-            elif a.outcome == "fault":
-                # a documented 503 is an allowed answer to the retry as to any request
-                retried_ok = not last and r.attempts[-1].outcome in ("ok", "bad_ok", "aborted", "doc503")
-                in_window = any(f.covers(a.t0, a.t1) for f in soak.faults)
-                if retried_ok and in_window:
-                    excused += 1
-                else:
-                    why = "its retry failed too" if not retried_ok else "outside any fault window"
-                    violations.append(f"{r.kind}: {a.status} ({why}): {a.detail[:200]}")
-
-    greedy_cmp = greedy_bad = partial_cmp = 0
-    greedy_problems: list[str] = []
-    for r in reqs:
-        if r.greedy_key is None:
-            continue
-        solo = soak.solo[r.greedy_key]
-        for a in r.attempts:
-            if a.outcome == "ok":
-                greedy_cmp += 1
-                if a.texts != solo:
-                    greedy_bad += 1
-                    greedy_problems.append(f"{r.greedy_key}: {a.texts!r} != solo {solo!r}")
-            elif a.texts:  # cut by the client or by a killed replica: what arrived is a prefix
-                partial_cmp += 1
-                if any(not solo.get(i, "").startswith(t) for i, t in a.texts.items()):
-                    greedy_bad += 1
-                    greedy_problems.append(f"{r.greedy_key} (partial): {a.texts!r} not a prefix of {solo!r}")
-
-    not_idle = {i: {k: v for k, v in m.items() if k in KV_KEYS} for i, m in end_metrics.items() if not idle(m)}
-    rss_bad = [f"replica {i} pid {life.pid}: +{life.growth_mib:.1f} MiB > {life.bound_mib():.0f}"
-               for i, lives in soak.lives.items() for life in lives if life.growth_mib > life.bound_mib()]
-    finished = {r.index: finished_in_log(r, soak.log_offsets[r.index], soak.warm_ids) for r in soak.cluster.replicas}
-    served = {i: sum(f.values()) for i, f in finished.items()}
-    errors = {r.index: log_errors(r, soak.log_offsets[r.index]) for r in soak.cluster.replicas}
-    drains = [f for f in soak.faults if f.kind == "drain"]
-    checks = {
-        "no_5xx_beyond_documented": (not violations, violations[:20]),
-        "no_errors_in_replica_logs": (not any(errors.values()), {i: e[:5] for i, e in errors.items() if e}),
-        "kv_pool_and_queues_idle": (not not_idle, not_idle),
-        "rss_growth_bounded": (not rss_bad, rss_bad),
-        "greedy_equals_solo": (greedy_bad == 0 and not problems_solo and greedy_cmp > 0,
-                               (problems_solo + greedy_problems)[:10]),
-        "every_replica_served": (all(v > 0 for v in served.values()), served),
-        "drain_clean": (all(f.detail.get("clean") for f in drains), [f.detail for f in drains]),
-    }
-    by_kind: dict[str, Counter[str]] = defaultdict(Counter)
-    for r in reqs:
-        by_kind[r.kind][r.attempts[-1].outcome] += 1
-    aborts_engine = sum(f["abort"] for f in finished.values())
-    return {
-        "passed": all(ok for ok, _ in checks.values()),
-        "checks": {k: {"passed": ok, "detail": d} for k, (ok, d) in checks.items()},
-        "config": {"duration_s": soak.args.duration, "elapsed_s": round(soak.elapsed, 1),
-                   "replicas": len(soak.cluster.replicas), "clients": soak.args.clients, "seed": soak.args.seed,
-                   "context": soak.context, "long_prompt_chars": soak.long_chars,
-                   "rss_bound": f"max({RSS_BOUND_MIB:.0f} MiB, {RSS_BOUND_FRAC:.0%} of start)"},
-        "requests": len(reqs),
-        "attempts": len(attempts),
-        "requests_per_s": round(len(reqs) / soak.elapsed, 1),
-        "status_counts": dict(Counter(str(a.status) for a in attempts)),
-        "outcome_counts": dict(Counter(a.outcome for a in attempts)),
-        "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
-        "retries": sum(len(r.attempts) - 1 for r in reqs),
-        "retries_succeeded": sum(1 for r in reqs if len(r.attempts) > 1
-                                 and r.attempts[-1].outcome in ("ok", "bad_ok", "aborted")),
-        "faults_excused": excused,
-        "documented_503": doc503,
-        "violations": len(violations),
-        "client_aborts": sum(1 for a in attempts if a.outcome == "aborted"),
-        "engine_aborts": aborts_engine,
-        "finish_reasons": dict(sum(finished.values(), Counter())),
-        "greedy": {"comparisons": greedy_cmp, "partial_prefix_checks": partial_cmp, "mismatches": greedy_bad,
-                   "specs": len(soak.specs)},
-        "served_per_replica": served,
-        "replicas": {i: [asdict(life) | {"growth_mib": round(life.growth_mib, 1)} for life in lives]
-                     for i, lives in soak.lives.items()},
-        "faults": [{"kind": f.kind, "replica": f.replica, **f.detail} for f in soak.faults],
-        "restarts": len(soak.faults),
-        "end_metrics": {i: {k: v for k, v in m.items() if k in KV_KEYS} for i, m in end_metrics.items()},
-    }
-
-
-KV_KEYS = ("ember:kv_pool_used_slots", "ember:num_requests_running", "ember:num_requests_waiting")
-
-
-def print_summary(s: dict[str, Any]) -> None:
-    c = s["config"]
-    print(f"\n=== soak: {c['replicas']} replicas, {c['clients']} clients, {c['elapsed_s']} s "
-          f"(context {c['context']}, long prompts {c['long_prompt_chars']} chars) ===")
-    print(f"requests {s['requests']} ({s['requests_per_s']}/s), attempts {s['attempts']}, retries {s['retries']} "
-          f"({s['retries_succeeded']} succeeded), excused faults {s['faults_excused']}, documented 503s "
-          f"{s['documented_503']}, violations {s['violations']}")
-    print("status counts: " + ", ".join(f"{k}: {v}" for k, v in sorted(s["status_counts"].items())))
-    print("outcomes:      " + ", ".join(f"{k}: {v}" for k, v in sorted(s["outcome_counts"].items())))
-    for kind, out in s["by_kind"].items():
-        print(f"  {kind:<11} " + ", ".join(f"{k}: {v}" for k, v in sorted(out.items())))
-    print(f"client disconnects {s['client_aborts']}, engine aborts {s['engine_aborts']}, "
-          f"finish reasons {s['finish_reasons']}")
-    g = s["greedy"]
-    print(f"greedy: {g['comparisons']} whole outputs and {g['partial_prefix_checks']} partial ones compared with "
-          f"their solo runs ({g['specs']} specs), {g['mismatches']} mismatches")
-    for f in s["faults"]:
-        print(f"fault: {f['kind']} replica {f['replica']}: " + ", ".join(f"{k}={v}" for k, v in f.items()
-                                                                            if k not in ("kind", "replica")))
-    print(f"{'replica':<8} {'pid':>8} {'ended':>8} {'RSS start':>10} {'end':>8} {'peak':>8} {'growth':>8} "
-          f"{'served':>7}  (MiB; served over all lives)")
-    for i, lives in s["replicas"].items():
-        for j, life in enumerate(lives):
-            print(f"{i if j == 0 else '':<8} {life['pid']:>8} {life['ended']:>8} {life['rss_start_mib']:>10.1f} "
-                  f"{life['rss_end_mib']:>8.1f} {life['rss_peak_mib']:>8.1f} {life['growth_mib']:>+8.1f} "
-                  f"{s['served_per_replica'][i] if j == 0 else '':>7}")
-    print("checks:")
-    for name, chk in s["checks"].items():
-        print(f"  [{'PASS' if chk['passed'] else 'FAIL'}] {name}" + ("" if chk["passed"] else f": {chk['detail']}"))
-    print("SOAK PASSED" if s["passed"] else "SOAK FAILED")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
