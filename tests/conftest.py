@@ -1,10 +1,10 @@
-"""Shared fixtures: tiny random HF model folders, and the real SmolLM2 GGUF with its transformers oracle."""
+"""Shared fixtures: tiny random HF model folders, the real SmolLM2 GGUF with its transformers oracle, its tokenizer."""
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
@@ -17,6 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from server_harness import TINY_CONTEXT, Server, http_client, openai_client, tiny_server
 from tiny_models import write_tiny_model
+
+if TYPE_CHECKING:
+    import llguidance
 
 MakeTinyModel = Callable[..., Path]
 SmolLM2Oracle = tuple[PreTrainedModel, PreTrainedTokenizerBase, Path]
@@ -80,6 +83,20 @@ def smollm2_hf_fp32() -> SmolLM2Oracle:
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model.eval()
     return model, load_tokenizer(str(path)), path
+
+
+@pytest.fixture(scope="session")
+def tok() -> PreTrainedTokenizerBase:
+    """The embedded SmolLM2-135M-Instruct GGUF's tokenizer and ChatML template (the tool and grammar tests)."""
+    from engine.loader import load_tokenizer
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def ll(tok: PreTrainedTokenizerBase) -> llguidance.LLTokenizer:
+    """llguidance's view of `tok`, for checking grammars token by token."""
+    import llguidance.hf
+    return llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
 
 
 # A real `ember serve` over a tiny model, one per test module that asks for it (tests/server_harness.py).

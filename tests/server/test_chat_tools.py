@@ -8,7 +8,6 @@ import json
 import pytest
 
 from engine.grammar.compiler import GrammarCompiler
-from engine.loader import load_tokenizer
 from server.api.chat_tools import plan_tools
 from server.api.errors import APIError
 from server.api.prompts import render_chat
@@ -31,11 +30,6 @@ HISTORY = [
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     {"role": "tool", "tool_call_id": "call_2", "content": "warm"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(None)  # SmolLM2's tokenizer and its plain ChatML template
 
 
 @pytest.fixture(scope="module")
