@@ -22,9 +22,9 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/ember serve --config configs/smollm2.toml
 
-# Everything, as CI runs it (.ci/run).
+# Everything, as CI runs it (.ci/run); the 25 slowest tests are listed at the end, to watch CI's 30-minute budget.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # The loop for a change to the engine or the server: their tests without the real model, the many-bucket compiles
 # and the deploy tests (tests/README.md).
