@@ -1,5 +1,5 @@
 """Fake kernels for `ember::linear_gguf` ([..., K] x an interleaved GGUF weight of n rows -> [..., n], the input's
-dtype) and `ember::gguf_rows` (ids -> [*ids.shape, K] in the requested dtype), engine/quant/gguf_blocks.py."""
+dtype; `linear_gguf_f32`: float32) and `ember::gguf_rows` (ids -> [*ids.shape, K] in the requested dtype), engine/quant/gguf_blocks.py."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +17,10 @@ if NATIVE_OPS:
     @torch.library.register_fake("ember::linear_gguf")
     def _linear_gguf_fake(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("ember::linear_gguf_f32")
+    def _linear_gguf_f32_fake(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], n), dtype=torch.float32)
 
     @torch.library.register_fake("ember::linear_gguf_isa")
     def _linear_gguf_isa_fake(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, isa: str) -> torch.Tensor:

@@ -150,7 +150,9 @@ class LlamaModel(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, V] of final-normed hidden states."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if isinstance(head, QuantizedWeight) or head.dim() != 2:  # packed, or quantized (engine/quant/)
+        if isinstance(head, QuantizedWeight):  # engine/quant/: fp32 logits from the kernel where it can
+            return head.logits(x)
+        if head.dim() != 2:  # packed for ember::linear_bf16 / linear_f32
             return linear(x, head, self.cfg.vocab_size).float()
         # oneDNN's bf16 GEMM over one vocabulary-wide weight ran 1.4-2.5x slower than over 8192-row slices
         # of it on this machine (49152 x 576: 11.8 -> 8.3 ms at batch 1, 40.9 -> 18.9 ms at batch 32).

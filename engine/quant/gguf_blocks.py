@@ -120,15 +120,18 @@ def _n_cols(packed: torch.Tensor, qtype: int) -> int:
     return packed.shape[1] // group_rows(qtype) // size * values
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
-    """y[..., n] = x[..., K] @ W^T for an interleaved GGUF weight of n rows; x (and y) bf16 or fp32.
+def linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, f32_out: bool = False) -> torch.Tensor:
+    """y[..., n] = x[..., K] @ W^T for an interleaved GGUF weight of n rows; x (and y) bf16 or fp32, y fp32 with
+    f32_out (the output head: logits straight from the fp32 sums, not rounded to x's dtype first).
 
     Native: ember::linear_gguf (int8 activations below 16 rows, exact fp32 weights above). Fallback: x against
     the gguf-dequantized weight."""
     if NATIVE_OPS:
-        return torch.ops.ember.linear_gguf(x, packed, int(qtype), n)
+        op = torch.ops.ember.linear_gguf_f32 if f32_out else torch.ops.ember.linear_gguf
+        return op(x, packed, int(qtype), n)
     w = dequantize(deinterleave(packed, qtype, n), qtype, _n_cols(packed, qtype))
-    return (x.float() @ w.T).to(x.dtype)
+    y = x.float() @ w.T
+    return y if f32_out else y.to(x.dtype)
 
 
 def rows(packed: torch.Tensor, ids: torch.Tensor, qtype: int, n: int, dtype: torch.dtype) -> torch.Tensor:

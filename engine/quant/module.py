@@ -68,8 +68,8 @@ class GGUFPart(nn.Module):
         block, type_size = gguf_blocks.GGUF_TYPES[int(self.qtype)][1:]
         return self.blocks.shape[1] // gguf_blocks.group_rows(int(self.qtype)) // type_size * block
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_blocks.linear(x, self.blocks, int(self.qtype), self.out_features)
+    def forward(self, x: torch.Tensor, f32_out: bool = False) -> torch.Tensor:
+        return gguf_blocks.linear(x, self.blocks, int(self.qtype), self.out_features, f32_out)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return gguf_blocks.rows(self.blocks, ids, int(self.qtype), self.out_features, dtype)
@@ -105,6 +105,12 @@ class QuantizedWeight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [part(x) for part in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T in float32, as an output head's logits: GGUF parts write them from their fp32 sums; the int8 / int4
+        parts' kernel returns x's dtype, widened here."""
+        outs = [part(x, f32_out=True) if isinstance(part, GGUFPart) else part(x).float() for part in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

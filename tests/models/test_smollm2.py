@@ -9,6 +9,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.forward_batch import ForwardBatch, PrefillChunk
 from engine.quant.module import quantized_weights
 from engine.sampling_params import SamplingParams
 
@@ -98,6 +99,24 @@ def test_native_q4_1_against_transformers_fp32(native_core: EngineCore, smollm2_
     agree = [agreeing_prefix(out, _hf_greedy(hf, p, 32)[0]) for p, out in zip(prompts, ours)]
     print(f"{native_core.runner.config.dtype}: agreeing prefix of 32 tokens per prompt: {agree}")
     assert all(len(out) == 32 for out in ours) and sum(agree) >= 8, agree
+
+
+def test_logits_are_the_heads_fp32_sums(native_core: EngineCore, smollm2_hf_fp32) -> None:
+    """The output head (the GGUF's Q8_0 token table) writes fp32 logits from its sums (ember::linear_gguf_f32), with
+    bf16 activations too: most carry more than bf16's 8 bits, so a client's logprobs are not stepped by 2^-8 of a
+    logit, and a near-tie is not made a tie by rounding."""
+    _, tok, _ = smollm2_hf_fp32
+    runner = native_core.runner
+    prompt = _chat_ids(tok, QUESTIONS[0])
+    row, slots = runner.req_pool.allocate(), runner.kv_pool.allocate(len(prompt))
+    assert row is not None and slots is not None
+    try:
+        logits = runner.forward(ForwardBatch.prefill([PrefillChunk(row, 0, prompt, slots)]))
+    finally:
+        runner.kv_pool.free(slots)
+        runner.req_pool.free(row)
+    assert logits.dtype == torch.float32 and logits.shape == (1, runner.model_config.vocab_size)
+    assert (logits != logits.bfloat16().float()).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

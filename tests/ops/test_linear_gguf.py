@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.ops.native import NATIVE_OPS, SUPPORTED_ISAS
+from engine.ops.native import ACTIVE_ISA, NATIVE_OPS, SUPPORTED_ISAS
 from engine.quant import gguf_blocks as gb
 
 pytestmark = pytest.mark.skipif(not NATIVE_OPS, reason="the C++ ops are not built")
@@ -284,6 +284,23 @@ def test_gguf_rows_are_gguf_dequantize_exactly(qtype: int, monkeypatch: pytest.M
     torch.testing.assert_close(gb.linear(x, packed, qtype, 13), x @ w.T)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+@pytest.mark.parametrize("rows", [1, 5, 13, 24, 40])  # the int8, amx8 and amx paths where this CPU has them
+def test_f32_output_is_the_same_sums_unrounded(qtype: int, rows: int) -> None:
+    """linear_gguf_f32 (the output head's logits) writes the fp32 sums linear_gguf rounds to a bf16 input's dtype:
+    rounding it to bf16 gives linear_gguf's bits, and for an fp32 input both are the same tensor."""
+    n, k = 45, 512
+    _, packed, w = _packed(qtype, n, k, seed=rows + 11)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    for xx in (x, x.bfloat16()):
+        full = torch.ops.ember.linear_gguf_f32(xx, packed, qtype, n)
+        assert full.dtype == torch.float32 and full.shape == (rows, n)
+        assert torch.equal(full.to(xx.dtype), torch.ops.ember.linear_gguf(xx, packed, qtype, n))
+    path = _auto(qtype, rows, ACTIVE_ISA)
+    check(torch.ops.ember.linear_gguf_f32(x.bfloat16(), packed, qtype, n), x.bfloat16().float(), w, qtype,
+          int8=path in ("int8", "amx8", "wide"), bf16=path == "amx")
+
+
 def test_fake_kernels_match_the_real_ones() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -297,8 +314,11 @@ def test_fake_kernels_match_the_real_ones() -> None:
         fx, fp, fi = mode.from_tensor(x), mode.from_tensor(packed), mode.from_tensor(ids)
         fake = torch.ops.ember.linear_gguf(fx, fp, 12, 10)
         fake_isa = torch.ops.ember.linear_gguf_isa(fx, fp, 12, 10, "scalar")
+        fake_f32 = torch.ops.ember.linear_gguf_f32(fx, fp, 12, 10)
         fake_rows = torch.ops.ember.gguf_rows(fp, fi, 12, 10, torch.bfloat16)
     assert fake.shape == fake_isa.shape == real.shape == (3, 10) and fake.dtype == real.dtype
+    real_f32 = torch.ops.ember.linear_gguf_f32(x, packed, 12, 10)
+    assert fake_f32.shape == real_f32.shape == (3, 10) and fake_f32.dtype == real_f32.dtype == torch.float32
     assert fake_rows.shape == real_rows.shape == (2, 512) and fake_rows.dtype == real_rows.dtype
 
 

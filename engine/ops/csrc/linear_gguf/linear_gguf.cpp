@@ -157,8 +157,9 @@ Path auto_path(const GgufKernel& kernel, Isa isa, int64_t qtype, int64_t rows) {
   return Path::kInt8;
 }
 
+// f32_out: fp32 output whatever the input's dtype (the output head's logits), else the input's dtype.
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n, Isa isa,
-               Path path = Path::kAuto) {
+               Path path = Path::kAuto, bool f32_out = false) {
   const int64_t k = checked_k(packed, qtype, n);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "linear_gguf takes bfloat16 or float32 input, got ", x.scalar_type());
@@ -168,7 +169,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
   const int64_t rows = xc.numel() / k;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options());
+  at::Tensor out = at::empty(out_shape, f32_out ? x.options().dtype(at::kFloat) : x.options());
   if (rows == 0 || n == 0) return out;
   if (path == Path::kAuto) path = auto_path(kernel, isa, qtype, rows);
   TORCH_CHECK(path != Path::kTile || kernel.run_block_tile != nullptr, "linear_gguf: the ", isa_name(isa),
@@ -186,7 +187,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
     at::Tensor xb = xc.reshape({rows, k}).to(at::kBFloat16);
     if (rows_pad != rows) xb = at::constant_pad_nd(xb, {0, 0, 0, rows_pad - rows});
     xb = xb.contiguous();
-    GgufLinearArgs args{qtype, packed.data_ptr<uint8_t>(), rows, k, n, {}, nullptr, xc.scalar_type() == at::kBFloat16,
+    GgufLinearArgs args{qtype, packed.data_ptr<uint8_t>(), rows, k, n, {}, nullptr, out.scalar_type() == at::kBFloat16,
                         out.data_ptr(), reinterpret_cast<const uint16_t*>(xb.data_ptr<c10::BFloat16>()), rows_pad};
     const GgufBlockFn fn = linear_gguf_amx_block(qtype);
     parallel_blocks((n + kGgufBlockRows - 1) / kGgufBlockRows, gguf_amx_scratch_floats(rows_pad),
@@ -198,7 +199,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
   std::vector<float> widened;
   if (bf16) widened = widen_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()), rows * k);
   const float* xf = bf16 ? widened.data() : xc.data_ptr<float>();
-  GgufLinearArgs args{qtype, packed.data_ptr<uint8_t>(), rows, k, n, {}, nullptr, bf16, out.data_ptr()};
+  GgufLinearArgs args{qtype, packed.data_ptr<uint8_t>(), rows, k, n, {}, nullptr, out.scalar_type() == at::kBFloat16,
+                      out.data_ptr()};
   const bool tile = path == Path::kTile;
   QuantizedActs acts;
   if (tile) {
@@ -230,6 +232,12 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t qt
 }
 
 // One named tier, whatever is active: how the tests run every variant the CPU supports.
+// The output head's call: fp32 logits from the kernels' fp32 sums. A bf16 result (8 bits of mantissa) would step
+// every logit of ~16-32 by 0.125, which a client sees in its logprobs, and cost a widening pass besides.
+at::Tensor linear_gguf_f32(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n) {
+  return run(x, packed, qtype, n, active_isa(), Path::kAuto, true);
+}
+
 at::Tensor linear_gguf_isa(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
                            const std::string& isa) {
   return run(x, packed, qtype, n, parse_isa(isa));
@@ -285,6 +293,7 @@ at::Tensor gguf_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t qt
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("linear_gguf(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
+  m.def("linear_gguf_f32(Tensor x, Tensor packed, int qtype, int n) -> Tensor");
   m.def("linear_gguf_isa(Tensor x, Tensor packed, int qtype, int n, str isa) -> Tensor");
   m.def("linear_gguf_variant(str isa) -> str", &ember::linear_gguf_variant);
   m.def("linear_gguf_path(Tensor x, Tensor packed, int qtype, int n, str isa, str path) -> Tensor");
@@ -294,6 +303,7 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
 
 TORCH_LIBRARY_IMPL(ember, CPU, m) {
   m.impl("linear_gguf", &ember::linear_gguf);
+  m.impl("linear_gguf_f32", &ember::linear_gguf_f32);
   m.impl("linear_gguf_isa", &ember::linear_gguf_isa);
   m.impl("linear_gguf_path", &ember::linear_gguf_path);
   m.impl("gguf_rows", &ember::gguf_rows);
