@@ -1,5 +1,6 @@
 """Fake kernels for `ember::linear_gguf` ([..., K] x an interleaved GGUF weight of n rows -> [..., n], the input's
-dtype; `linear_gguf_f32`: float32) and `ember::gguf_rows` (ids -> [*ids.shape, K] in the requested dtype), engine/quant/gguf_blocks.py."""
+dtype; `linear_gguf_f32`: float32) and `ember::gguf_rows` (ids -> [*ids.shape, K] in the requested dtype),
+engine/quant/gguf_blocks.py."""
 from __future__ import annotations
 
 import torch
