@@ -231,13 +231,13 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t qt
   return run(x, packed, qtype, n, active_isa());
 }
 
-// One named tier, whatever is active: how the tests run every variant the CPU supports.
 // The output head's call: fp32 logits from the kernels' fp32 sums. A bf16 result (8 bits of mantissa) would step
 // every logit of ~16-32 by 0.125, which a client sees in its logprobs, and cost a widening pass besides.
 at::Tensor linear_gguf_f32(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n) {
   return run(x, packed, qtype, n, active_isa(), Path::kAuto, true);
 }
 
+// One named tier, whatever is active: how the tests run every variant the CPU supports.
 at::Tensor linear_gguf_isa(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
                            const std::string& isa) {
   return run(x, packed, qtype, n, parse_isa(isa));
