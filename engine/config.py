@@ -34,9 +34,6 @@ class EngineConfig:
     cpp_wrapper: bool = False  # inductor's C++ wrapper for the decode steps; `ember serve`'s default is on (faster
     # steps, slower cold compiles); off here, as the library's other compile defaults, so in-process uses compile fast
     chunked_prefill_size: int = 512
-    # Running requests' decode rows ride in each prefill forward (engine/scheduler.py) instead of a decode step of
-    # their own between prefills
-    mixed_prefill: bool = True
     disable_prefix_cache: bool = False  # recompute every prompt instead of reusing cached prefixes' KV
     max_queued_requests: int = 1024
     num_threads: int | None = None  # torch threads; None = all cores

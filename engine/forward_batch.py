@@ -9,10 +9,6 @@ step takes them in, engine/decode_graphs.py). Two kinds:
 - decode: one new token for each of B requests (T = N = B); or, verifying speculative drafts
   (engine/speculative.py), request i's last token and its k_i drafts as 1 + k_i consecutive rows on its request
   row (T = N + sum k_i), whose logits are all returned.
-- mixed (`ForwardBatch.mixed`): a decode batch's rows riding in a prefill forward, each request's rows one chunk
-  of its own in front of the prompts' chunks; the logits of every decode row, then of each prompt chunk's last
-  token. `parts` keeps the two batches it was made of: the output processor and the scheduler handle each as
-  they would alone.
 
 Padded decode rows (a bucket larger than the batch) use request row 0, KV slot 0 and sequence length 1
 (engine/pools.py keeps row 0 and slot 0 as scratch).
@@ -21,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,9 +62,6 @@ class ForwardBatch:
     completes: tuple[bool, ...] = ()
     # decode: each request's draft tokens verified by this step (all empty, or (): plain decode)
     drafts: tuple[tuple[int, ...], ...] = ()
-    # mixed: the decode batch and the prefill batch it carries; decode_rows: that many leading tokens are decode rows
-    parts: tuple[ForwardBatch, ForwardBatch] | None = None
-    decode_rows: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -131,39 +123,8 @@ class ForwardBatch:
             completes=completes,
         )
 
-    @classmethod
-    def mixed(cls, decode: ForwardBatch, prefill: ForwardBatch) -> ForwardBatch:
-        """One prefill forward for both: the decode rows cost a prefill's GEMMs a few rows more, where a decode step
-        of their own would stream every weight again (SmolLM2: 8 more rows on a 242-token prompt within noise, 32 more
-        ~8 ms, against an 8-row decode step of 12-16 ms). Each decode request's rows are a chunk on its request row
-        starting at its position, so the prefill attention's causal mask over a chunk is the verify rows' mask."""
-        assert decode.is_decode and not prefill.is_decode and not prefill.embed
-        assert prefill.prefix_lens is not None and prefill.prefill_lens is not None and prefill.fill_lens is not None
-        assert prefill.logit_rows is not None
-        per_req = [1 + len(d) for d in decode.drafts] if decode.drafts else [1] * len(decode.reqs)
-        firsts = torch.tensor([0, *itertools.accumulate(per_req)][:-1], dtype=torch.int64)
-        lens = torch.tensor(per_req, dtype=torch.int64)
-        starts = decode.positions[firsts]
-        t = decode.num_rows
-        return cls(
-            ForwardMode.PREFILL,
-            input_ids=torch.cat([decode.input_ids, prefill.input_ids]),
-            positions=torch.cat([decode.positions, prefill.positions]),
-            req_rows=torch.cat([decode.req_rows[firsts], prefill.req_rows]),
-            out_slots=torch.cat([decode.out_slots, prefill.out_slots]),
-            prefix_lens=torch.cat([starts, prefill.prefix_lens]),
-            prefill_lens=torch.cat([lens, prefill.prefill_lens]),
-            fill_lens=torch.cat([starts + lens, prefill.fill_lens]),
-            logit_rows=torch.cat([torch.arange(t), prefill.logit_rows + t]),
-            reqs=(*decode.reqs, *prefill.reqs),
-            parts=(decode, prefill),
-            decode_rows=t,
-        )
-
     def with_table(self, req_to_token: torch.Tensor) -> ForwardBatch:
-        parts = None if self.parts is None else (self.parts[0].with_table(req_to_token),
-                                                 self.parts[1].with_table(req_to_token))
-        return dataclasses.replace(self, req_to_token=req_to_token, parts=parts)
+        return dataclasses.replace(self, req_to_token=req_to_token)
 
     def decode_inputs(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, name) for name in DECODE_INPUTS)
@@ -175,14 +136,6 @@ class ForwardBatch:
         if self.mode is ForwardMode.DECODE:
             return torch.ops.ember.decode_attention(q, k, v, k_cache, v_cache, self.out_slots, self.req_to_token,
                                                     self.req_rows, self.seq_lens, scale)
-        if self.parts is not None:
-            # Mixed: the decode rows through the decode kernel (the prefill kernel's tiles of query rows cost a
-            # one-row chunk ~3x as much: SmolLM2, 8 rows over ~260 positions, +6 ms a forward), then the prompts.
-            d, (dec, pre) = self.decode_rows, self.parts
-            return torch.cat([
-                torch.ops.ember.decode_attention(q[:d], k[:d], v[:d], k_cache, v_cache, dec.out_slots,
-                                                 self.req_to_token, dec.req_rows, dec.seq_lens, scale),
-                pre.attend(q[d:], k[d:], v[d:], k_cache, v_cache, scale)])
         # Prefill runs eagerly: the plain function, not the op (see engine/ops/attention.py).
         return prefill_attention(q, k, v, k_cache, v_cache, self.out_slots, self.req_to_token, self.req_rows,
                                  self.prefix_lens, self.prefill_lens, scale)

@@ -53,11 +53,6 @@ class OutputProcessor:
         """Everything a forward's logits decide. The tokens it computed are in the KV cache now (a prefill's are
         published to the prefix cache, so a finished request leaves them there); rows that get a token are
         sampled; finished requests release their KV. `appended` counts the tokens this batch added."""
-        if batch.parts is not None:  # a mixed step: the prompts' logits follow the decode rows'
-            decode, prefill = batch.parts
-            self.process(prefill, logits[batch.decode_rows :])
-            self.process(decode, logits[: batch.decode_rows])  # last, so `appended` counts the decode rows' tokens
-            return
         self.appended = 0
         if batch.verifies:
             self._verify(batch, logits)

@@ -59,7 +59,6 @@ class SchedulerStats:
     aborted: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
-    mixed_steps: int = 0  # forwards that were both (decode rows riding in a prefill): counted in each above too
     prompt_tokens: int = 0
     generation_tokens: int = 0
 
@@ -108,40 +107,27 @@ class Scheduler:
         if want_prefill and (not self.running or not decode_due):
             batch = self._schedule_prefill()
             if batch is not None:
-                return self._carry_decode(batch)
+                return batch
         self._prefill_since_decode, self._prefill_s_since_decode = 0, 0.0
         return self._schedule_decode() if self.running else None
 
     def update(self, batch: ForwardBatch, seconds: float) -> None:
         """After the output processor: requests whose prompt completed join the decode batch, finished ones leave
         their queue; `seconds` is what the forward and its outputs took."""
-        if batch.parts is not None:  # a mixed step: the decode rows went, so no decode step is due for them
-            decode, prefill = batch.parts
-            self.stats.mixed_steps += 1
-            self._update_decode(decode, seconds, alone=False)
-            self._update_prefill(prefill, seconds, alone=False)
-        elif batch.is_decode:
-            self._update_decode(batch, seconds)
-        else:
-            self._update_prefill(batch, seconds)
-
-    def _update_decode(self, batch: ForwardBatch, seconds: float, alone: bool = True) -> None:
-        self.stats.decode_steps += 1
-        self.stats.generation_tokens += self.outputs.appended
-        if alone:  # a decode step's own time: what DECODE_SHARE and the draft planner weigh
+        if batch.is_decode:
             self._last_decode_s = seconds
+            self.stats.decode_steps += 1
+            self.stats.generation_tokens += self.outputs.appended
             if self.speculator is not None:
                 self.speculator.planner.observe(batch.num_rows, seconds)
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            self.running = [r for r in self.running if not r.finished]
             log.debug("decode %d requests: %.1f ms", len(batch.reqs), seconds * 1e3)
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        self.running = [r for r in self.running if not r.finished]
-
-    def _update_prefill(self, batch: ForwardBatch, seconds: float, alone: bool = True) -> None:
+            return
+        self._prefill_s_since_decode += seconds
         self.stats.prefill_steps += 1
         tokens = sum(batch.chunk_lens)
-        if alone:
-            self._prefill_s_since_decode += seconds
-            self._prefill_since_decode += tokens
+        self._prefill_since_decode += tokens
         self.stats.prompt_tokens += tokens
         if batch.embed:  # finished (and released) by the output processor once their prompt is done
             for req, done in zip(batch.reqs, batch.completes):
@@ -154,8 +140,8 @@ class Scheduler:
             if not req.finished:
                 req.status = ReqStatus.RUNNING
                 self.running.append(req)
-        log.debug("prefill %d requests, %d tokens%s: %.1f ms (%d waiting, %d running)", len(batch.reqs), tokens,
-                  "" if alone else " with the decode rows", seconds * 1e3, len(self.waiting), len(self.running))
+        log.debug("prefill %d requests, %d tokens: %.1f ms (%d waiting, %d running)", len(batch.reqs), tokens,
+                  seconds * 1e3, len(self.waiting), len(self.running))
 
     def take_touched(self) -> list[Request]:
         """Requests changed since the last call without a forward of theirs (retracted, finished for want of KV)."""
@@ -236,18 +222,6 @@ class Scheduler:
             return None
         completes = tuple(c.prefix_len + len(c.token_ids) == r.fill_len for c, r in zip(chunks, members))
         return ForwardBatch.prefill(chunks, tuple(members), completes, embed=members[0].pooling is not None)
-
-    def _carry_decode(self, prefill: ForwardBatch) -> ForwardBatch:
-        """The running requests' decode rows (drafts included) riding in `prefill` (ForwardBatch.mixed), when mixing
-        is on and the pool has a slot for each of them beside the prompt's; else `prefill` alone. Without mixing,
-        every decode step between prefills streams all the weights again, and running streams stall for the
-        prefill in between."""
-        if (not self.config.mixed_prefill or not self.running or prefill.embed
-                or self.kvm.headroom() < len(self.running)):
-            return prefill
-        decode = self._schedule_decode()
-        assert decode is not None  # the pool has the rows' slots: nothing is retracted
-        return ForwardBatch.mixed(decode, prefill)
 
     def _schedule_decode(self) -> ForwardBatch | None:
         while self.kvm.headroom() < len(self.running):

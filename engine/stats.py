@@ -76,7 +76,6 @@ class EngineStats:
     aborted: int
     retractions: int
     prefill_steps: int
-    mixed_steps: int  # prefill forwards that carried the running requests' decode rows
     grammar_mask_seconds: float
     grammar_masked_rows: int
     cached_grammars: int
@@ -117,7 +116,7 @@ class EngineStats:
             prefix_hit_tokens=cache.hit_tokens, prefix_queried_tokens=cache.queried_tokens,
             prefix_evicted_tokens=cache.evicted_tokens, prompt_tokens=stats.prompt_tokens,
             generation_tokens=stats.generation_tokens, aborted=stats.aborted, retractions=stats.retractions,
-            prefill_steps=stats.prefill_steps, mixed_steps=stats.mixed_steps, grammar_mask_seconds=outputs.mask_seconds,
+            prefill_steps=stats.prefill_steps, grammar_mask_seconds=outputs.mask_seconds,
             grammar_masked_rows=outputs.masked_rows, cached_grammars=core.grammars.cached(),
             steps_per_bucket=tuple(sorted(dict(graphs.steps_per_bucket).items())),
             compile_seconds=tuple(sorted(dict(graphs.compile_seconds).items())),

@@ -53,9 +53,7 @@ def longrope_rows(batch: ForwardBatch, original_max: int) -> torch.Tensor:
     if not batch.is_decode:
         assert batch.prefix_lens is not None and batch.prefill_lens is not None
         ends = batch.prefix_lens + batch.prefill_lens if batch.fill_lens is None else batch.fill_lens
-        long = torch.repeat_interleave(ends > original_max, batch.prefill_lens)
-        d = batch.decode_rows  # a mixed batch's decode rows go by their own positions, as in a decode step
-        return torch.cat([batch.positions[:d] >= original_max, long[d:]]) if d else long
+        return torch.repeat_interleave(ends > original_max, batch.prefill_lens)
     return batch.positions >= original_max  # decode: the sequence is position + 1 long
 
 

@@ -90,8 +90,6 @@ class EngineCollector(Collector):
         yield _counter("ember:num_retractions", "Sequences retracted from the batch when the KV pool ran dry.",
                        stats.retractions)
         yield _counter("ember:prefill_steps", "Prefill forwards.", stats.prefill_steps)
-        yield _counter("ember:mixed_steps", "Prefill forwards that carried the running requests' decode rows.",
-                       stats.mixed_steps)
         yield _counter("ember:grammar_mask_seconds", "Seconds spent computing and applying structured-output token "
                        "masks.", stats.grammar_mask_seconds)
         yield _counter("ember:grammar_masked_rows", "Sampled rows that a grammar constrained.",

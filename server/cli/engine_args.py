@@ -66,9 +66,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "time of each bucket on a cold cache (default: %(default)s)")
     g.add_argument("--chunked-prefill-size", type=int, default=512,
                    help="most prompt tokens prefilled in one step (default: %(default)s)")
-    g.add_argument("--mixed-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the running requests' decode rows in each prefill forward, instead of a decode step "
-                        "of their own between prefills (default: %(default)s)")
     g.add_argument("--disable-prefix-cache", action=argparse.BooleanOptionalAction, default=False,
                    help="recompute every prompt instead of reusing the K/V of cached prefixes (default: %(default)s)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
@@ -111,8 +108,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests, max_context_len=args.max_context_len,
         decode_buckets=args.decode_buckets, disable_compile=args.disable_compile,
         compile_cache_dir=args.compile_cache_dir, cpp_wrapper=args.cpp_wrapper,
-        chunked_prefill_size=args.chunked_prefill_size, mixed_prefill=args.mixed_prefill,
-        max_queued_requests=args.max_queued_requests,
+        chunked_prefill_size=args.chunked_prefill_size, max_queued_requests=args.max_queued_requests,
         disable_prefix_cache=args.disable_prefix_cache, num_threads=args.num_threads, pooling=args.pooling,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,
