@@ -57,11 +57,11 @@ class EngineCore:
         mc = self.model_config
         self.kvm = KVManager(self.runner.kv_pool, self.runner.req_pool, prefix_cache=prefix_cache, disk=disk,
                              window=mc.sliding_window)
-        # Drafts are verified as extra decode rows of their request; a sliding-window layer's ring would let a later
-        # draft overwrite the position a window back that an earlier row still reads, so rings mean no drafts.
+        # Drafts are verified as extra decode rows of their request (sliding-window rings keep spare entries for
+        # them: engine/pools.py WindowKVPool).
         graphs = self.runner.graphs
         self.speculator, self.drafter = None, None
-        if config.speculative != "off" and self.runner.window_pool is None:
+        if config.speculative != "off":
             self.drafter = (DraftModel(config, self.runner.kv_pool.num_slots, mc.vocab_size, self.tokenizer, on_bucket)
                             if config.speculative == "draft" else None)
             self.speculator = Speculator(graphs.buckets, lambda b: b in graphs.fns, config.num_speculative_tokens,

@@ -133,8 +133,10 @@ class ModelRunner:
         rings, split = needs and config.disable_prefix_cache, needs and not config.disable_prefix_cache
         windowed = sorted(mc.window_layers) if needs else []
         full = [i for i in range(mc.num_layers) if i not in windowed]
-        ring_bytes = WindowKVPool.bytes_for(rows, mc.sliding_window, len(windowed), mc.num_kv_heads, mc.head_dim,
-                                            dtype) if rings else 0
+        # Rings keep room for a verify step's drafts past the window (engine/pools.py WindowKVPool).
+        spare = config.num_speculative_tokens if config.speculative != "off" else 0
+        ring_bytes = WindowKVPool.bytes_for(rows, mc.sliding_window + spare, len(windowed), mc.num_kv_heads,
+                                            mc.head_dim, dtype) if rings else 0
         num_slots = size_kv_pool(config, mc, self.max_context, len(full), ring_bytes, len(windowed) if split else 0)
         if split and num_slots > rows * self.max_context:
             # The window map covers rows x max_context slots (below): a fixed shape, as a compiled step needs.
@@ -146,7 +148,8 @@ class ModelRunner:
         self.window_pool = None
         layers_k, layers_v = dict(zip(full, self.kv_pool.k)), dict(zip(full, self.kv_pool.v))
         if rings:
-            self.window_pool = WindowKVPool(rows, mc.sliding_window, len(windowed), mc.num_kv_heads, mc.head_dim, dtype)
+            self.window_pool = WindowKVPool(rows, mc.sliding_window, len(windowed), mc.num_kv_heads, mc.head_dim, dtype,
+                                            spare)
             layers_k.update(zip(windowed, self.window_pool.k))
             layers_v.update(zip(windowed, self.window_pool.v))
             self.model.use_rings(self.window_pool.table)

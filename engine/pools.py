@@ -110,24 +110,28 @@ class KVPool:
 
 
 class WindowKVPool:
-    """K/V of the sliding-window layers: a ring of `window` slots per request row, one buffer per window layer.
+    """K/V of the sliding-window layers: a ring of `window + spare` slots per request row, one buffer per window layer.
 
     A window layer at position p sees positions (p - window, p] only, so a request never needs more than `window` of
-    its K/V there: position p lives in ring entry p % window of its row, and writing p overwrites p - window, the
-    first position no later query sees. Row r owns slots (r - 1) * window + 1 .. r * window of every buffer, fixed
-    for the row's life, so there is nothing to allocate or free: admission needs no window headroom, and a finished or
-    retracted request's ring is simply overwritten by the row's next owner. Row 0 (padding) maps to slot 0.
-    Attention is order-free once K carries its rope, so a ring read in entry order is as good as one in position order
-    (engine/model/window.py).
+    its K/V there: position p lives in ring entry p % ring of its row (ring = window + spare), and writing p
+    overwrites p - ring, a position no later query sees. The spare entries are for speculative drafts: a verify step
+    writes the K/V of a request's last token and its k drafts (positions p .. p + k) before any of them attends, and
+    row p attends down to p - window + 1, so the writes must not wrap onto that: ring >= window + k. Row r owns slots
+    (r - 1) * ring + 1 .. r * ring of every buffer, fixed for the row's life, so there is nothing to allocate or free:
+    admission needs no window headroom, and a finished or retracted request's ring is simply overwritten by the row's
+    next owner. Row 0 (padding) maps to slot 0. Attention is order-free once K carries its rope, so a ring read in
+    entry order is as good as one in position order (engine/model/window.py).
     """
 
-    def __init__(self, rows: int, window: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, rows: int, window: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 spare: int = 0) -> None:
         self.rows, self.window = rows, window
-        entries = torch.arange(window, dtype=torch.int32)
-        self.table = torch.zeros(rows + 1, window, dtype=torch.int32)  # (row, position % window) -> slot
+        ring = self.ring = window + spare
+        entries = torch.arange(ring, dtype=torch.int32)
+        self.table = torch.zeros(rows + 1, ring, dtype=torch.int32)  # (row, position % ring) -> slot
         for r in range(1, rows + 1):
-            self.table[r] = (r - 1) * window + 1 + entries
-        shape = (rows * window + 1, kv_heads, row_elements(head_dim, dtype))  # (int8: as KVPool)
+            self.table[r] = (r - 1) * ring + 1 + entries
+        shape = (rows * ring + 1, kv_heads, row_elements(head_dim, dtype))  # (int8: as KVPool)
         # empty(), as KVPool: the ring entries a request has not written yet are never attended to (the reference
         # decode attention masks their values too), so their pages need not be touched before use.
         self.k = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
@@ -136,5 +140,5 @@ class WindowKVPool:
             t[0].zero_()
 
     @staticmethod
-    def bytes_for(rows: int, window: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return (rows * window + 1) * KVPool.bytes_per_slot(num_layers, kv_heads, head_dim, dtype)
+    def bytes_for(rows: int, ring: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return (rows * ring + 1) * KVPool.bytes_per_slot(num_layers, kv_heads, head_dim, dtype)

@@ -3,7 +3,9 @@
 Decode needs no kernel of its own: with position p in ring entry p % window, the last min(p + 1, window) positions
 are exactly ring entries 0 .. min(p + 1, window) - 1 of the row (in rotated order), and attention over them does not
 depend on the order. So a window layer calls the same decode op with the ring table as its request-to-token table
-and its lengths capped at the window; the compiled step derives those from its own inputs.
+and its lengths capped at the window; the compiled step derives those from its own inputs. Rings with spare entries
+for drafts (longer than the window) are read through a [B, window] table of each row's last positions instead, as
+the window layers in the token pool are.
 """
 from __future__ import annotations
 
@@ -33,13 +35,22 @@ class WindowPrefillMeta:
 
 
 def window_meta(batch: ForwardBatch, ring_table: torch.Tensor, window: int) -> ForwardBatch | WindowPrefillMeta:
-    if batch.is_decode:
-        # Padded rows (row 0, position 0) land in slot 0, as in the full layers.
-        assert batch.seq_lens is not None
-        slots = ring_table[batch.req_rows, batch.positions % window].to(torch.int64)
-        return ForwardBatch.decode(batch.input_ids, batch.positions, batch.req_rows, slots,
-                                   batch.seq_lens.clamp(max=window), req_to_token=ring_table)
-    return WindowPrefillMeta(ring_table, batch.req_rows, batch.prefix_lens, batch.prefill_lens, window)
+    if not batch.is_decode:
+        return WindowPrefillMeta(ring_table, batch.req_rows, batch.prefix_lens, batch.prefill_lens, window)
+    # Padded rows (row 0, position 0) land in slot 0, as in the full layers.
+    assert batch.seq_lens is not None
+    ring = ring_table.shape[1]
+    slots = ring_table[batch.req_rows, batch.positions % ring].to(torch.int64)
+    lens = batch.seq_lens.clamp(max=window)
+    if ring == window:
+        return ForwardBatch.decode(batch.input_ids, batch.positions, batch.req_rows, slots, lens,
+                                   req_to_token=ring_table)
+    # Spare entries (drafts): row p reads the entries of positions p - window + 1 .. p, which differ mod ring.
+    first = (batch.positions - (window - 1)).clamp(min=0)
+    columns = (first[:, None] + torch.arange(window, device=first.device)[None, :]) % ring
+    table = ring_table[batch.req_rows[:, None], columns]  # [B, window] int32
+    rows = torch.arange(batch.positions.shape[0], device=first.device)
+    return ForwardBatch.decode(batch.input_ids, batch.positions, rows, slots, lens, req_to_token=table)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ def window_prefill_attention(
     q: torch.Tensor,  # [T, H, D]: the new tokens of all requests, concatenated
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
-    k_ring: torch.Tensor,  # [rows * window + 1, KVH, D] for ONE layer
+    k_ring: torch.Tensor,  # [rows * ring + 1, KVH, D] for ONE layer (ring >= window: engine/pools.py WindowKVPool)
     v_ring: torch.Tensor,
-    ring_table: torch.Tensor,  # [rows + 1, window] int32: (request row, position % window) -> ring slot
+    ring_table: torch.Tensor,  # [rows + 1, ring] int32: (request row, position % ring) -> ring slot
     req_rows: torch.Tensor,  # [N] int64
     prefix_lens: torch.Tensor,  # [N] int64: tokens already computed before this chunk
     prefill_lens: torch.Tensor,  # [N] int64
@@ -29,6 +29,7 @@ def window_prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     heads, kv_heads = q.shape[1], k.shape[1]
+    ring = ring_table.shape[1]
     out = torch.empty_like(q)
     start = 0
     for row, prefix, ext in zip(req_rows.tolist(), prefix_lens.tolist(), prefill_lens.tolist()):
@@ -39,7 +40,7 @@ def window_prefill_attention(
         old = min(prefix, window - 1)  # cached positions the chunk's first query still sees
         keys, values = ka, va
         if old:
-            cached = ring_table[row, torch.arange(prefix - old, prefix) % window].to(torch.int64)
+            cached = ring_table[row, torch.arange(prefix - old, prefix) % ring].to(torch.int64)
             # (dequantized here when the ring is int8, --kv-cache-dtype: only these rows)
             keys = torch.cat([gather_rows(k_ring, cached, q.dtype), ka])
             values = torch.cat([gather_rows(v_ring, cached, q.dtype), va])
@@ -54,7 +55,7 @@ def window_prefill_attention(
             o = _banded(qs, keys.transpose(0, 1), values.transpose(0, 1), old, window, scale, heads != kv_heads)
         out[start : start + ext] = o.transpose(0, 1)
         keep = min(ext, window)  # the ring keeps the chunk's last `window` positions
-        slots = ring_table[row, torch.arange(prefix + ext - keep, prefix + ext) % window].to(torch.int64)
+        slots = ring_table[row, torch.arange(prefix + ext - keep, prefix + ext) % ring].to(torch.int64)
         write_rows(k_ring, slots, kn[ext - keep :])
         write_rows(v_ring, slots, vn[ext - keep :])
         start += ext

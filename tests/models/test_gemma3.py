@@ -186,14 +186,15 @@ def test_int8_kv_rings_and_pool_decode_what_full_precision_kv_does(make_gemma3, 
 
 
 def test_window_layers_keep_one_window_per_request(make_gemma3) -> None:
-    """Memory: the window layers' buffers hold max_running x window entries (+ the padding slot) whatever the
-    context; only the global layers are in the token pool, whose slot size counts them alone."""
+    """Memory: the window layers' buffers hold max_running x (window + the draft cap) entries (+ the padding slot)
+    whatever the context; only the global layers are in the token pool, whose slot size counts them alone."""
     folder = make_gemma3("window")
     runner = make_runner(folder, compile=False, max_running=4, max_total_tokens=1000, rings=True)
     mc = runner.model_config
     assert mc.window_layers == (0, 1, 3, 4) and mc.sliding_window == WINDOW and runner.max_context == 256
+    assert runner.window_pool is not None and runner.window_pool.ring == WINDOW + runner.config.num_speculative_tokens
     for i, (k, v) in enumerate(zip(runner.k_caches, runner.v_caches)):
-        rows = 4 * WINDOW + 1 if i in mc.window_layers else 1001
+        rows = 4 * runner.window_pool.ring + 1 if i in mc.window_layers else 1001
         assert k.shape == v.shape == (rows, 2, 16)
     assert runner.kv_pool.k == [runner.k_caches[2], runner.k_caches[5]]
     assert KVPool.bytes_per_slot(len(runner.kv_pool.k), 2, 16, torch.float32) * 3 == KVPool.bytes_per_slot(
@@ -385,3 +386,29 @@ def test_speculation_drafts_through_the_window_layers_in_the_token_pool(make_gem
     assert_idle_and_empty(core)
     assert {k: s.token_ids for k, s in got.items()} == {k: s.token_ids for k, s in want.items()}
     assert core.speculator.stats.accepted > 0
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_speculation_drafts_on_rings(make_gemma3, compiled: bool) -> None:
+    """Rings (the prefix cache off) keep num_speculative_tokens spare entries, so a verify step's drafts never wrap
+    onto a position an earlier row still reads: every proposal verified, greedy and seeded outputs equal speculation
+    off's, with sequences many windows long."""
+    folder = make_gemma3("window")
+    prompts = [p * 3 for p in random_prompts([9, 13, 7, 11], 320, seed=12)]  # repeated phrases: the drafter has material
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True)
+    arrivals = [Arrival(i, f"r{i}", p, seeded if i % 2 else greedy) for i, p in enumerate(prompts)]
+    settings: dict[str, Any] = dict(disable_prefix_cache=True, disable_compile=not compiled,
+                                    num_speculative_tokens=5)
+    want = Driver(tiny_engine(folder, **settings)).run(arrivals)
+    core = tiny_engine(folder, speculative="ngram", **settings)
+    pool = core.runner.window_pool
+    assert core.speculator is not None and pool is not None
+    assert pool.ring == WINDOW + 5 and pool.k[0].shape[0] == 8 * (WINDOW + 5) + 1
+    core.speculator.planner.cost = lambda rows: 1.0 if rows <= 8 else None  # type: ignore[method-assign]
+    with torch._dynamo.config.patch(error_on_recompile=compiled):
+        got = Driver(core).run(arrivals)
+    assert_idle_and_empty(core)
+    assert {k: s.token_ids for k, s in got.items()} == {k: s.token_ids for k, s in want.items()}
+    assert core.speculator.stats.accepted > 10
+    assert all(len(p) + 30 > 2 * (WINDOW + 5) for p in prompts)  # every ring wrapped
