@@ -122,7 +122,8 @@ class Scheduler:
                 self.speculator.planner.observe(batch.num_rows, seconds)
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
             self.running = [r for r in self.running if not r.finished]
-            log.debug("decode %d requests: %.1f ms", len(batch.reqs), seconds * 1e3)
+            log.debug("decode %d requests, %d rows, %d tokens: %.1f ms", len(batch.reqs), batch.num_rows,
+                      self.outputs.appended, seconds * 1e3)
             return
         self._prefill_s_since_decode += seconds
         self.stats.prefill_steps += 1
