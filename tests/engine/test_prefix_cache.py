@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core import EngineCore
 from engine.pools import KVPool
 from engine.radix_cache import RadixCache
 from engine.sampling_params import SamplingParams

@@ -10,7 +10,6 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from pathlib import Path
 
 import httpx
 import openai
