@@ -398,8 +398,9 @@ def test_speculation_drafts_on_rings(make_gemma3, compiled: bool) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True)
     arrivals = [Arrival(i, f"r{i}", p, seeded if i % 2 else greedy) for i, p in enumerate(prompts)]
+    # One 8-row bucket: every step, drafted or not, runs one compiled graph (one compile, not four).
     settings: dict[str, Any] = dict(disable_prefix_cache=True, disable_compile=not compiled,
-                                    num_speculative_tokens=5)
+                                    num_speculative_tokens=5, decode_buckets=(8,))
     want = Driver(tiny_engine(folder, **settings)).run(arrivals)
     core = tiny_engine(folder, speculative="ngram", **settings)
     pool = core.runner.window_pool
@@ -412,3 +413,5 @@ def test_speculation_drafts_on_rings(make_gemma3, compiled: bool) -> None:
     assert {k: s.token_ids for k, s in got.items()} == {k: s.token_ids for k, s in want.items()}
     assert core.speculator.stats.accepted > 10
     assert all(len(p) + 30 > 2 * (WINDOW + 5) for p in prompts)  # every ring wrapped
+    if compiled:
+        assert core.runner.graphs.steps_per_bucket == {0: 0, 8: core.scheduler.stats.decode_steps}
