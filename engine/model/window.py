@@ -41,16 +41,28 @@ def window_meta(batch: ForwardBatch, ring_table: torch.Tensor, window: int) -> F
     assert batch.seq_lens is not None
     ring = ring_table.shape[1]
     slots = ring_table[batch.req_rows, batch.positions % ring].to(torch.int64)
-    lens = batch.seq_lens.clamp(max=window)
     if ring == window:
-        return ForwardBatch.decode(batch.input_ids, batch.positions, batch.req_rows, slots, lens,
-                                   req_to_token=ring_table)
+        return ForwardBatch.decode(batch.input_ids, batch.positions, batch.req_rows, slots,
+                                   batch.seq_lens.clamp(max=window), req_to_token=ring_table)
     # Spare entries (drafts): row p reads the entries of positions p - window + 1 .. p, which differ mod ring.
-    first = (batch.positions - (window - 1)).clamp(min=0)
-    columns = (first[:, None] + torch.arange(window, device=first.device)[None, :]) % ring
-    table = ring_table[batch.req_rows[:, None], columns]  # [B, window] int32
-    rows = torch.arange(batch.positions.shape[0], device=first.device)
-    return ForwardBatch.decode(batch.input_ids, batch.positions, rows, slots, lens, req_to_token=table)
+    table = ring_table[batch.req_rows[:, None], _window_positions(batch.positions, window) % ring]
+    return _decode_through(batch, table, slots, window)
+
+
+def _window_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, window]: positions p - window + 1 .. p of each decode row at p (from 0 while p < window - 1: the columns
+    past p are then not read, the lengths being capped at p + 1)."""
+    first = (positions - (window - 1)).clamp(min=0)
+    return first[:, None] + torch.arange(window, device=positions.device)[None, :]
+
+
+def _decode_through(batch: ForwardBatch, table: torch.Tensor, out_slots: torch.Tensor, window: int) -> ForwardBatch:
+    """A window layer's decode batch over a [B, window] table gathered per row: row i reads table[i] up to its
+    length, capped at the window."""
+    assert batch.seq_lens is not None
+    rows = torch.arange(batch.positions.shape[0], device=batch.positions.device)
+    return ForwardBatch.decode(batch.input_ids, batch.positions, rows, out_slots, batch.seq_lens.clamp(max=window),
+                               req_to_token=table)
 
 
 @dataclass(frozen=True)
@@ -80,14 +92,10 @@ def pool_window_meta(batch: ForwardBatch, window: int,
     own slot of each token-pool slot (engine/window_slots.py); the positions a row reads always have one."""
     if not batch.is_decode:
         return WindowPoolPrefillMeta(batch, window, slot_map)
-    assert batch.req_to_token is not None and batch.seq_lens is not None
-    first = (batch.positions - (window - 1)).clamp(min=0)
-    columns = (first[:, None] + torch.arange(window, device=first.device)[None, :]).clamp(
-        max=batch.req_to_token.shape[1] - 1)
+    assert batch.req_to_token is not None
+    columns = _window_positions(batch.positions, window).clamp(max=batch.req_to_token.shape[1] - 1)
     table = batch.req_to_token[batch.req_rows[:, None], columns]  # [B, window] int32
     out_slots = batch.out_slots
     if slot_map is not None:
         table, out_slots = slot_map[table], slot_map[out_slots].to(torch.int64)
-    rows = torch.arange(batch.positions.shape[0], device=first.device)
-    return ForwardBatch.decode(batch.input_ids, batch.positions, rows, out_slots,
-                               batch.seq_lens.clamp(max=window), req_to_token=table)
+    return _decode_through(batch, table, out_slots, window)
