@@ -12,6 +12,7 @@ bandwidth of a shared machine drifts: alternate, do not compare across hours).
   python scripts/bench_attention.py --isa avx2 --context 1024 4096 --threads 1
   python scripts/bench_attention.py --shapes smollm2 --batch 1 8 --rows 1 4 8 --context 384   # verify steps
   python scripts/bench_attention.py --prefill --context 256 512 2048 --dtype float32
+  python scripts/bench_attention.py --against avx512 --rows 1 4 --reps 12   # two kernels in turn, same data
 """
 from __future__ import annotations
 
@@ -51,10 +52,12 @@ def pool(batch: int, context: int, kv_heads: int, dim: int, layers: int,
     return caches, table
 
 
-def bench(name: str, batch: int, context: int, reps: int, dtype: torch.dtype, rows_each: int = 1
-          ) -> tuple[float, float]:
+def bench(name: str, batch: int, context: int, reps: int, dtype: torch.dtype, rows_each: int = 1,
+          against: str | None = None) -> tuple[float, float, float | None]:
     """rows_each: rows per request at consecutive positions ending at `context` (a verify step's last token and
-    drafts, engine/speculative.py), all on the request's row of the table."""
+    drafts, engine/speculative.py), all on the request's row of the table. against: a tier (or "avx512bf16:dot")
+    whose kernel runs in turn with the active one, each pass over the layers in alternating order, on the same
+    data: (seconds a layer, KV bytes a second, the other's seconds a layer or None)."""
     heads, kv_heads, dim, layers = SHAPES[name]
     caches, table = pool(batch, context, kv_heads, dim, layers, dtype)
     gen = torch.Generator().manual_seed(1)
@@ -63,15 +66,19 @@ def bench(name: str, batch: int, context: int, reps: int, dtype: torch.dtype, ro
     rows = torch.arange(1, batch + 1).repeat_interleave(rows_each)
     lens = (context - rows_each + 1 + torch.arange(rows_each)).repeat(batch)
     out_slots = table[rows, lens - 1].long()
-    op = torch.ops.ember.decode_attention
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for kc, vc in caches:
-            op(q, k, v, kc, vc, out_slots, table, rows, lens, dim ** -0.5)
-        times.append((time.perf_counter() - t0) / layers)
-    sec = statistics.median(times)
-    return sec, batch * context * kv_heads * dim * 2 * dtype.itemsize / sec
+    ops = [torch.ops.ember.decode_attention]
+    if against is not None:
+        ops.append(lambda *args: torch.ops.ember.decode_attention_isa(*args, against))
+    times: list[list[float]] = [[] for _ in ops]
+    for r in range(reps):
+        for i in (range(len(ops)) if r % 2 == 0 else reversed(range(len(ops)))):
+            t0 = time.perf_counter()
+            for kc, vc in caches:
+                ops[i](q, k, v, kc, vc, out_slots, table, rows, lens, dim ** -0.5)
+            times[i].append((time.perf_counter() - t0) / layers)
+    sec = statistics.median(times[0])
+    other = statistics.median(times[1]) if against is not None else None
+    return sec, batch * context * kv_heads * dim * 2 * dtype.itemsize / sec, other
 
 
 def bench_prefill(name: str, tokens: int, reps: int, dtype: torch.dtype) -> tuple[float, float, float]:
@@ -106,6 +113,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--isa", default=None, help="force a lower tier (avx2, avx512, scalar); default: the active one")
+    ap.add_argument("--against", default=None,
+                    help="a tier (or avx512bf16:dot) run in turn with the active one on the same data, for a ratio")
     ap.add_argument("--prefill", action="store_true", help="time prefill attention of one prompt per --context")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -123,15 +132,17 @@ def main() -> None:
                     print(f"| {name} | {tokens} | {ours * 1e6:.0f} ({flop / ours / 1e9:.0f}) | {sdpa * 1e6:.0f} "
                           f"({flop / sdpa / 1e9:.0f}) | {sdpa / ours:.2f}x |", flush=True)
             return
-        print("| shape | batch | rows each | context | us / layer | KV GB/s |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        extra = f" {a.against} us / layer | active / {a.against} |" if a.against else ""
+        print("| shape | batch | rows each | context | us / layer | KV GB/s |" + extra)
+        print("| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if a.against else ""))
         for name in a.shapes:
             for batch in a.batch:
                 for rows_each in a.rows:
                     for context in a.context:
-                        sec, rate = bench(name, batch, context, a.reps, dtype, rows_each)
-                        print(f"| {name} | {batch} | {rows_each} | {context} | {sec * 1e6:.1f} | {rate / 1e9:.1f} |",
-                              flush=True)
+                        sec, rate, other = bench(name, batch, context, a.reps, dtype, rows_each, a.against)
+                        cols = f" {other * 1e6:.1f} | {sec / other:.2f}x |" if other is not None else ""
+                        print(f"| {name} | {batch} | {rows_each} | {context} | {sec * 1e6:.1f} | {rate / 1e9:.1f} |"
+                              + cols, flush=True)
 
 
 if __name__ == "__main__":

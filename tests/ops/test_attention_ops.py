@@ -186,6 +186,36 @@ def test_prefill_attention_of_whole_prompts_equals_causal_sdpa(dtype: torch.dtyp
 
 
 HAS_AMX = bool(attention.NATIVE_DECODE_ATTENTION and torch.ops.ember.isa_has_amx())
+HAS_BF16_TIER = bool(attention.NATIVE_DECODE_ATTENTION and "avx512bf16" in torch.ops.ember.isa_supported())
+
+
+@pytest.mark.skipif(not HAS_BF16_TIER, reason="this CPU has no AVX512-BF16: the vdpbf16ps decode attention kernel "
+                                              "(avx512bf16:dot) cannot run")
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 64), (32, 2, 64), (11, 1, 64)])
+def test_dpbf16_kernel_runs_bf16_verify_rows_within_bf16_of_the_vector_kernel(heads: int, kv_heads: int,
+                                                                              dim: int) -> None:
+    """On the avx512bf16 tier of a CPU without AMX (and forced as "avx512bf16:dot" on one with it), bf16 queries over a
+    bf16 cache of head size 64 get their scores from vdpbf16ps over K transposed 16 keys at a time: runs
+    of up to 16 query rows (4 rows of SmolLM2's and Llama's groupings; 1 row of 16 heads a KV head; 11 heads, a
+    scores pass of 8 and one of the rest), lengths across 16-key blocks and the 1024-position chunks. The queries
+    enter unscaled in bf16, so the bits differ from the AVX-512 kernel's within bf16's error; each row still equals
+    itself decoded alone. Other head sizes keep the AVX-512 kernel, to the bit."""
+    layout = [list(range(30, 38)), [9], list(range(1018, 1030)), [40, 41, 42], [1], [16, 17]]
+    q, k, v, kc, vc, slots, table, rows, seq = _verify_rows(layout, torch.bfloat16, heads, kv_heads, dim)
+    args = (q, k, v, kc, vc, slots, table, rows, seq, 0.17)
+    dot = torch.ops.ember.decode_attention_isa(*args, "avx512bf16:dot")
+    vec = torch.ops.ember.decode_attention_isa(*args, "avx512")
+    want = attention.reference_decode_attention(q, k, v, kc.clone(), vc.clone(), slots, table, rows, seq, 0.17)
+    torch.testing.assert_close(dot.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(dot.float(), vec.float(), atol=2e-2, rtol=2e-2)
+    assert not torch.equal(dot, vec)  # another kernel ran: the tier is not silently the vector one
+    for i in range(len(rows)):
+        one = torch.ops.ember.decode_attention_isa(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc, slots[i:i + 1],
+                                                   table, rows[i:i + 1], seq[i:i + 1], 0.17, "avx512bf16:dot")
+        assert torch.equal(one, dot[i:i + 1]), f"row {i} of {layout}"
+    other = _verify_rows(layout, torch.bfloat16, 32, 8, 128) + (0.17,)
+    assert torch.equal(torch.ops.ember.decode_attention_isa(*other, "avx512bf16:dot"),
+                       torch.ops.ember.decode_attention_isa(*other, "avx512"))
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16: the AMX decode attention kernel cannot run")

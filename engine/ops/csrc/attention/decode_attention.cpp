@@ -125,7 +125,7 @@ __attribute__((noinline)) void combine(int64_t nch, int64_t GQ, int64_t D, const
 template <typename T, typename C>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& req_to_token, const at::Tensor& req_rows, const at::Tensor& seq_lens,
-            at::Tensor& out, double scale, Isa isa) {
+            at::Tensor& out, double scale, Isa isa, bool force_dot) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(1), G = H / KVH, ctx = req_to_token.size(1);
   const T* qp = q.data_ptr<T>();
@@ -142,11 +142,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   using Raw = RawOf<C>;
   const Raw* kraw = reinterpret_cast<const Raw*>(kp);
   const Raw* vraw = reinterpret_cast<const Raw*>(vp);
-  // bf16 queries over a bf16 cache on an AMX CPU: tile products (decode_attention_amx.cpp), for every run alike (a
+  // bf16 queries over a bf16 cache on the avx512bf16 tier: tile products on an AMX CPU (decode_attention_amx.cpp),
+  // else vdpbf16ps (decode_attention_dpbf16.cpp; force_dot: on an AMX CPU too, for its tests), for every run alike (a
   // verify row must have the same bits alone as in its run), so runs are capped at 16 query rows.
-  const bool amx = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && fast != nullptr &&
-                   isa == Isa::kAvx512Bf16 && (D == 64 || D == 128) && G <= 16 && cpu_has_amx_bf16();
-  const int64_t merge_rows = amx ? std::min<int64_t>(kMergeRows, 16 / G) : kMergeRows;
+  const bool bf16_pair = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && fast != nullptr &&
+                         isa == Isa::kAvx512Bf16 && G <= 16;
+  const bool amx = bf16_pair && !force_dot && (D == 64 || D == 128) && cpu_has_amx_bf16();
+  const AttendBf16 dot = bf16_pair && !amx ? attend_dpbf16_kernel(D) : nullptr;
+  const bool bf16k = amx || dot != nullptr;  // a kernel that reads the queries as they are (bf16), scale apart
+  const int64_t merge_rows = bf16k ? std::min<int64_t>(kMergeRows, 16 / G) : kMergeRows;
 
   // Runs: one row, or up to kMergeRows rows of one request at consecutive positions (a verify step's last token and
   // drafts, engine/speculative.py), whose G query heads each share every K/V row they read. The portable loop takes
@@ -179,16 +183,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   }
   for (int64_t r = 0; spread && r < runs; ++r) order.push_back(first_chunk[r + 1] - 1);
 
-  // Run r's query heads of KV head kh as fp32 (pre-scaled; not for the AMX kernel, which reads them as they are)
+  // Run r's query heads of KV head kh as fp32 (pre-scaled; not for the bf16 kernels, which read them as they are)
   // and each one's length.
   const auto gather_q = [&](int64_t r, int64_t kh, std::vector<float>& qf, std::vector<int64_t>& qlen) {
     const int64_t b0 = run_start[r], nr = run_start[r + 1] - b0;
-    qf.resize(amx ? 0 : G * nr * D);
+    qf.resize(bf16k ? 0 : G * nr * D);
     qlen.resize(G * nr);
     for (int64_t i = 0; i < nr; ++i)
       for (int64_t g = 0; g < G; ++g) {
         const T* qrow = qp + ((b0 + i) * H + kh * G + g) * D;
-        if (!amx)
+        if (!bf16k)
           for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = to_f(qrow[d]) * fscale;
         qlen[i * G + g] = lens[b0 + i];
       }
@@ -202,13 +206,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     qc.resize(GQ);
     for (int64_t i = 0; i < GQ; ++i) qc[i] = std::clamp<int64_t>(qlen[i] - l0, 0, Lc);
     scores.resize(GQ * ((Lc + 15) / 16 * 16) + GQ + GQ * D);
-    if (amx) {
-      uint16_t qb[16 * 128];  // the run's queries of this KV head as they are (bf16), [GQ, D]
+    if (bf16k) {
+      alignas(64) uint16_t qb[16 * 256];  // the run's queries of this KV head as they are (bf16), [GQ, D]
       for (int64_t i = 0; i < nr; ++i)
         std::memcpy(qb + i * G * D, qp + ((b0 + i) * H + kh * G) * D, G * D * sizeof(uint16_t));
-      attend_amx_bf16(qb, GQ, D, fscale, reinterpret_cast<const uint16_t*>(kp), reinterpret_cast<const uint16_t*>(vp),
-                      table + rows[b0] * ctx + l0, Lc, KVH * R, kh, scores.data(), acc, stats,
-                      nr > 1 ? qc.data() : nullptr);
+      const auto* kb = reinterpret_cast<const uint16_t*>(kp);
+      const auto* vb = reinterpret_cast<const uint16_t*>(vp);
+      if (amx)
+        attend_amx_bf16(qb, GQ, D, fscale, kb, vb, table + rows[b0] * ctx + l0, Lc, KVH * R, kh, scores.data(), acc,
+                        stats, nr > 1 ? qc.data() : nullptr);
+      else
+        dot(qb, GQ, fscale, kb, vb, table + rows[b0] * ctx + l0, Lc, KVH * R, kh, scores.data(), acc, stats,
+            nr > 1 ? qc.data() : nullptr);
       return;
     }
     fast(qf.data(), GQ, kraw, vraw, table + rows[b0] * ctx + l0, Lc, KVH * R, kh, scores.data(), acc, stats,
@@ -286,7 +295,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                const at::Tensor& out_slots, const at::Tensor& req_to_token, const at::Tensor& req_rows,
-               const at::Tensor& seq_lens, double scale, Isa isa) {
+               const at::Tensor& seq_lens, double scale, Isa isa, bool force_dot = false) {
   check_kv(q, k, v, k_cache, v_cache, req_to_token);
   TORCH_CHECK(out_slots.scalar_type() == at::kLong && req_rows.scalar_type() == at::kLong &&
               seq_lens.scalar_type() == at::kLong, "slots, rows and lengths must be int64");
@@ -296,7 +305,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at
   at::Tensor out = at::empty_like(qc);
   with_kv_types(qc, kc, vc, k_cache, v_cache, slots.data_ptr<int64_t>(), slots.numel(), "decode_attention",
                 [&](auto t, auto c) {
-                  attend<decltype(t), decltype(c)>(qc, k_cache, v_cache, table, rows, lens, out, scale, isa);
+                  attend<decltype(t), decltype(c)>(qc, k_cache, v_cache, table, rows, lens, out, scale, isa, force_dot);
                 });
   return out;
 }
@@ -307,12 +316,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return run(q, k, v, k_cache, v_cache, out_slots, req_to_token, req_rows, seq_lens, scale, active_isa());
 }
 
-// One named tier, whatever is active: how the tests run every tier the CPU supports.
+// One named tier, whatever is active: how the tests run every tier the CPU supports. "avx512bf16:dot" is that tier
+// with the AVX512-BF16 kernel even on an AMX CPU (which otherwise takes tile products), so both are tested there.
 at::Tensor decode_attention_isa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                                 at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& req_to_token,
                                 const at::Tensor& req_rows, const at::Tensor& seq_lens, double scale,
                                 const std::string& isa) {
-  return run(q, k, v, k_cache, v_cache, out_slots, req_to_token, req_rows, seq_lens, scale, parse_isa(isa));
+  const bool dot = isa == "avx512bf16:dot";
+  return run(q, k, v, k_cache, v_cache, out_slots, req_to_token, req_rows, seq_lens, scale,
+             parse_isa(dot ? "avx512bf16" : isa), dot);
 }
 
 }  // namespace

@@ -55,6 +55,13 @@ void attend_amx_bf16(const uint16_t* q, int64_t G, int64_t D, float scale, const
                      const int32_t* slots, int64_t L, int64_t kv_stride, int64_t kh, float* scores, float* out,
                      float* stats, const int64_t* qlen);
 
+// AVX512-BF16 (decode_attention_dpbf16.cpp), for the same case on CPUs without AMX: attend_amx_bf16's contract, by
+// head size (64; nullptr otherwise). Only where the CPU has AVX512-BF16 (the avx512bf16 tier).
+using AttendBf16 = void (*)(const uint16_t* q, int64_t G, float scale, const uint16_t* k, const uint16_t* v,
+                            const int32_t* slots, int64_t L, int64_t kv_stride, int64_t kh, float* scores,
+                            float* out, float* stats, const int64_t* qlen);
+AttendBf16 attend_dpbf16_kernel(int64_t head_dim);
+
 AttentionKernels attention_kernels_avx2();
 AttentionKernels attention_kernels_avx512();
 

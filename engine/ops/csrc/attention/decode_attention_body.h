@@ -88,8 +88,6 @@ struct AttentionBody {
     constexpr int64_t RB = (D + kQ8) * sizeof(T);  // a row's bytes, what the prefetches cover
     constexpr int64_t kAhead = kAheadBytes / RB;
     constexpr int CQ = pass_chunks(NC, V::kRegisters / 2);  // K chunks widened at once
-    constexpr int CV = pass_chunks(NC, 4);  // V chunks per pass, so GV heads' accumulators fit in registers
-    constexpr int GV = (V::kRegisters - 8) / CV > 0 ? (V::kRegisters - 8) / CV : 1;
     const int64_t Lp = (L + 15) / 16 * 16;
     float* q = scores + G * Lp + G;  // [G, D]: qf with each chunk's lanes in widen()'s order
     for (int64_t g = 0; g < G; ++g)
@@ -132,10 +130,17 @@ struct AttentionBody {
         }
       }
     }
+    softmax(G, scores, Lp, L, qlen, stats);
+    // out = probs . V: CV chunks of up to GV heads at a time, their accumulators in registers; a pass reads only its
+    // chunks' bytes of each row (a bf16 row of 128 elements is four cache lines, a pass of 4 chunks two of them).
+    probs_v<NC, T>(G, scores, Lp, vbase, slots, L, kv_stride, out);
+  }
+
+  // Softmax numerators in place of the scores [G, Lp]; the driver divides by the sum once every chunk is in.
+  // Positions past a query's own length get 0, so the values pass adds exact zeros for them: a row's output has the
+  // same bits as when it runs alone. stats [G, 2]: (max, sum) per query.
+  static void softmax(int64_t G, float* scores, int64_t Lp, int64_t L, const int64_t* qlen, float* stats) {
     const F neg_inf = V::set1(-__builtin_inff());
-    // Softmax numerators in place; the driver divides by the sum once every chunk is in. Positions past a query's
-    // own length get 0, so the values pass below adds exact zeros for them: a row's output has the same bits as
-    // when it runs alone.
     for (int64_t g = 0; g < G; ++g) {
       float* sg = scores + g * Lp;
       const int64_t Lg = qlen != nullptr ? qlen[g] : L;
@@ -151,11 +156,18 @@ struct AttentionBody {
       stats[2 * g] = V::hmax(m);
       stats[2 * g + 1] = V::hsum(sum);
     }
-    // out = probs . V: CV chunks of up to GV heads at a time, their accumulators in registers; a pass reads only its
-    // chunks' bytes of each row (a bf16 row of 128 elements is four cache lines, a pass of 4 chunks two of them).
+  }
+
+  // out [G, D] = probs [G, Lp] . the V rows at slots (vbase: this KV head's row of slot 0).
+  template <int NC, typename T>
+  static void probs_v(int64_t G, const float* probs, int64_t Lp, const T* vbase, const int32_t* slots, int64_t L,
+                      int64_t kv_stride, float* out) {
+    constexpr int64_t D = NC * W;
+    constexpr int CV = pass_chunks(NC, 4);  // V chunks per pass, so GV heads' accumulators fit in registers
+    constexpr int GV = (V::kRegisters - 8) / CV > 0 ? (V::kRegisters - 8) / CV : 1;
     for (int c0 = 0; c0 < NC; c0 += CV)
       for (int64_t g0 = 0; g0 < G; g0 += GV)
-        values<NC, CV, GV, T>(min64(GV, G - g0), scores + g0 * Lp, Lp, vbase, slots, L, kv_stride, c0, g0 == 0,
+        values<NC, CV, GV, T>(min64(GV, G - g0), probs + g0 * Lp, Lp, vbase, slots, L, kv_stride, c0, g0 == 0,
                               out + g0 * D);
   }
 
