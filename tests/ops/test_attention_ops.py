@@ -186,6 +186,21 @@ def test_prefill_attention_of_whole_prompts_equals_causal_sdpa(dtype: torch.dtyp
 
 
 HAS_AMX = bool(attention.NATIVE_DECODE_ATTENTION and torch.ops.ember.isa_has_amx())
+
+
+def _bf16_kernel_near_vector_kernel(tier: str, layout: list[list[int]], heads: int, kv_heads: int,
+                                    dim: int) -> tuple[tuple, torch.Tensor]:
+    """A bf16 verify batch of `layout` through `tier`'s kernel: within bf16's error of the reference and of the
+    AVX-512 vector kernel, but not its bits (another kernel ran). Returns the op's arguments and the output."""
+    args = _verify_rows(layout, torch.bfloat16, heads, kv_heads, dim) + (0.17,)
+    q, k, v, kc, vc, slots, table, rows, seq, _ = args
+    got = torch.ops.ember.decode_attention_isa(*args, tier)
+    vec = torch.ops.ember.decode_attention_isa(*args, "avx512")
+    want = attention.reference_decode_attention(q, k, v, kc.clone(), vc.clone(), slots, table, rows, seq, 0.17)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), vec.float(), atol=2e-2, rtol=2e-2)
+    assert not torch.equal(got, vec)  # another kernel ran: the tier is not silently the vector one
+    return args, got
 HAS_BF16_TIER = bool(attention.NATIVE_DECODE_ATTENTION and "avx512bf16" in torch.ops.ember.isa_supported())
 
 
@@ -201,14 +216,8 @@ def test_dpbf16_kernel_runs_bf16_verify_rows_within_bf16_of_the_vector_kernel(he
     enter unscaled in bf16, so the bits differ from the AVX-512 kernel's within bf16's error; each row still equals
     itself decoded alone. Other head sizes keep the AVX-512 kernel, to the bit."""
     layout = [list(range(30, 38)), [9], list(range(1018, 1030)), [40, 41, 42], [1], [16, 17]]
-    q, k, v, kc, vc, slots, table, rows, seq = _verify_rows(layout, torch.bfloat16, heads, kv_heads, dim)
-    args = (q, k, v, kc, vc, slots, table, rows, seq, 0.17)
-    dot = torch.ops.ember.decode_attention_isa(*args, "avx512bf16:dot")
-    vec = torch.ops.ember.decode_attention_isa(*args, "avx512")
-    want = attention.reference_decode_attention(q, k, v, kc.clone(), vc.clone(), slots, table, rows, seq, 0.17)
-    torch.testing.assert_close(dot.float(), want.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(dot.float(), vec.float(), atol=2e-2, rtol=2e-2)
-    assert not torch.equal(dot, vec)  # another kernel ran: the tier is not silently the vector one
+    args, dot = _bf16_kernel_near_vector_kernel("avx512bf16:dot", layout, heads, kv_heads, dim)
+    q, k, v, kc, vc, slots, table, rows, seq, _ = args
     for i in range(len(rows)):
         one = torch.ops.ember.decode_attention_isa(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc, slots[i:i + 1],
                                                    table, rows[i:i + 1], seq[i:i + 1], 0.17, "avx512bf16:dot")
@@ -227,14 +236,7 @@ def test_amx_kernel_runs_bf16_verify_rows_within_bf16_of_the_vector_kernel(heads
     round the softmax numerators to bf16, so their bits differ from the AVX-512 kernel's, within bf16's error; each
     row still equals itself decoded alone (the verify-row test above runs this tier too)."""
     layout = [list(range(30, 38)), [9], list(range(1018, 1030)), [40, 41, 42]]
-    q, k, v, kc, vc, slots, table, rows, seq = _verify_rows(layout, torch.bfloat16, heads, kv_heads, dim)
-    args = (q, k, v, kc, vc, slots, table, rows, seq, 0.17)
-    amx = torch.ops.ember.decode_attention_isa(*args, "avx512bf16")
-    vec = torch.ops.ember.decode_attention_isa(*args, "avx512")
-    want = attention.reference_decode_attention(q, k, v, kc.clone(), vc.clone(), slots, table, rows, seq, 0.17)
-    torch.testing.assert_close(amx.float(), want.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(amx.float(), vec.float(), atol=2e-2, rtol=2e-2)
-    assert not torch.equal(amx, vec)  # another kernel ran: the tier is not silently the vector one
+    _bf16_kernel_near_vector_kernel("avx512bf16", layout, heads, kv_heads, dim)
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16: the AMX decode attention kernel cannot run")

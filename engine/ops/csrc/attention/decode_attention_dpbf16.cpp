@@ -26,6 +26,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #include "common/simd_avx512.h"
 #include "attention/decode_attention_body.h"
+#include "common/transpose16.h"
 
 namespace {
 
@@ -38,32 +39,6 @@ inline __m512i pair_of(const uint16_t* p) {  // two bf16 at p, broadcast as one 
 
 inline void prefetch_key(const uint16_t* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T1);
-}
-
-// r[i] (16 x 32-bit elements) := column i of the 16 x 16 matrix whose rows were r[0..15].
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {  // 2x2 blocks of 32-bit elements
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // 4x4 blocks within each 128-bit lane
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // r[4 b + c] now holds, in 128-bit lane j, elements (4 j + c) of rows 4 b .. 4 b + 3: move lanes across registers.
-  for (int c = 0; c < 4; ++c) {
-    const __m512i a0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), a1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
-    const __m512i b0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-    const __m512i b1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
-    t[c] = _mm512_shuffle_i32x4(a0, b0, 0x88);       // column c
-    t[8 + c] = _mm512_shuffle_i32x4(a0, b0, 0xDD);   // column 8 + c
-    t[4 + c] = _mm512_shuffle_i32x4(a1, b1, 0x88);   // column 4 + c
-    t[12 + c] = _mm512_shuffle_i32x4(a1, b1, 0xDD);  // column 12 + c
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
 template <int64_t DD>  // head size: a multiple of 32
@@ -92,10 +67,11 @@ struct DotBf16 {
           r[j] = j < n ? _mm512_loadu_si512(kbase + static_cast<int64_t>(slots[j]) * kv_stride + 32 * h)
                        : _mm512_setzero_si512();
         }
-        transpose16(r);  // r[p]: pair 16 h + p of the 16 keys
+        __m512i t[16];
+        transpose16(r, t);  // t[p]: pair 16 h + p of the 16 keys
         for (int g = 0; g < GN && g < gn; ++g) {
           const uint16_t* qg = q + (g0 + g) * D + 32 * h;
-          for (int p = 0; p < 16; ++p) acc[g] = _mm512_dpbf16_ps(acc[g], bh(r[p]), bh(pair_of(qg + 2 * p)));
+          for (int p = 0; p < 16; ++p) acc[g] = _mm512_dpbf16_ps(acc[g], bh(t[p]), bh(pair_of(qg + 2 * p)));
         }
       }
       for (int g = 0; g < GN && g < gn; ++g) _mm512_storeu_ps(scores + (g0 + g) * Lp, _mm512_mul_ps(acc[g], scale));
