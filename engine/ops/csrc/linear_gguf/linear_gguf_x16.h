@@ -13,6 +13,7 @@ struct X16Body {
   using D = X16Dots<P>;
   using B = X16Both<P>;
   static constexpr int L = P::L, H = 16 / L;
+  static constexpr int kWideTile = 16;
 
   using DotFn = void (*)(const uint8_t*, int, const GgufActs&, int64_t, float*);
   template <int T, int MT>
@@ -34,16 +35,23 @@ struct X16Body {
     const int64_t k = a.k, nb = k / D::template values<T>(), group_bytes = 16 * nb * D::template bytes<T>();
     const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
     constexpr bool kq = T == ember::kQ4_K;
-    float res[kRowTile * 16];  // 16 rows of output a row: dot_q4k_both writes both halves
+    float res[kWideTile * 16];  // 16 rows of output a row: dot_q4k_both writes both halves
     // AVX2's Q8_0 runs every row count as both-halves passes of 4 rows (its 8 chunks a block need no nibble split,
     // so re-reading a group from the cache per 4 rows costs less than the half passes' separate broadcasts). AMX
     // Xeon, forced avx2, ms a Llama-1B layer, 8-row tiles -> 4-row both-halves tiles: Q8_0 4.56-4.62 -> 3.91-4.03
     // at 6 rows, 5.33-5.37 -> 4.97-5.07 at 8, 18.2-18.4 -> 17.2-17.7 at 32, 70.9-71.6 -> 67.1-69.3 at 128; the
     // 4-bit types lost (Q4_K 3.2-3.4 -> 3.6-3.7 at 8 rows, 44.9-47.4 -> 53.5-54.9 at 128) or tied (Q4_0).
-    constexpr int64_t tile = H == 2 && T == ember::kQ8_0 ? B::kBothRows : kRowTile;
+    // AVX-512 (a group in one vector) runs the 32-value types 16 rows a tile: their dots hold 16 accumulators and the
+    // block's 8 decoded chunks in 32 registers, and each chunk decoded serves twice the rows. Zen 4, 2 threads, the
+    // two tile sizes in turn on the same weights (a one-off script, 10 passes over 30 SmolLM2-shaped or 2 1B-shaped
+    // layers), 8 -> 16: SmolLM2's Q4_1 0.95x at 16 rows, 0.97x at 24, 0.96x at 244; Q8_0 0.86x at 16, 0.90x at 32,
+    // 1.00x at 244; the 1B's Q4_0 / Q4_1 / Q8_0 0.92 / 0.91 / 0.82x at 16, 0.96 / 0.96 / 0.88x at 32, 1.03 / 1.00 /
+    // 0.97x at 128. Q4_K's dots hold 16 decoded chunks and its scales: 8 rows. A row's dots are the same either way.
+    constexpr int64_t tile = H == 2 && T == ember::kQ8_0 ? B::kBothRows : H == 1 && T != ember::kQ4_K ? kWideTile
+                                                                                                       : kRowTile;
     for (int64_t m0 = 0; m0 < a.rows; m0 += tile) {
       const int64_t mt = g_min64(tile, a.rows - m0);
-      const DotFn fn = dot_for<T, kRowTile>(mt);
+      const DotFn fn = dot_for<T, static_cast<int>(tile)>(mt);
       const GgufActs x{a.x.q + m0 * a.x.ldq, a.x.d + m0 * nb, nullptr, kq ? nullptr : a.x.off + m0 * nb,
                        kq ? nullptr : a.x.msum + m0 * nb, nullptr, nullptr,
                        kq ? a.x.s32 + m0 * (k / 32) : nullptr, a.x.ldq};
