@@ -201,6 +201,8 @@ def _bf16_kernel_near_vector_kernel(tier: str, layout: list[list[int]], heads: i
     torch.testing.assert_close(got.float(), vec.float(), atol=2e-2, rtol=2e-2)
     assert not torch.equal(got, vec)  # another kernel ran: the tier is not silently the vector one
     return args, got
+
+
 HAS_BF16_TIER = bool(attention.NATIVE_DECODE_ATTENTION and "avx512bf16" in torch.ops.ember.isa_supported())
 
 

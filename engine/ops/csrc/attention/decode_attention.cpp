@@ -207,7 +207,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     for (int64_t i = 0; i < GQ; ++i) qc[i] = std::clamp<int64_t>(qlen[i] - l0, 0, Lc);
     scores.resize(GQ * ((Lc + 15) / 16 * 16) + GQ + GQ * D);
     if (bf16k) {
-      alignas(64) uint16_t qb[16 * 256];  // the run's queries of this KV head as they are (bf16), [GQ, D]
+      uint16_t qb[16 * 128];  // the run's queries of this KV head as they are (bf16), [GQ, D]
       for (int64_t i = 0; i < nr; ++i)
         std::memcpy(qb + i * G * D, qp + ((b0 + i) * H + kh * G) * D, G * D * sizeof(uint16_t));
       const auto* kb = reinterpret_cast<const uint16_t*>(kp);

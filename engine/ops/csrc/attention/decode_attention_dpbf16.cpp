@@ -37,16 +37,12 @@ inline __m512i pair_of(const uint16_t* p) {  // two bf16 at p, broadcast as one 
   return _mm512_set1_epi32(static_cast<int>(x));
 }
 
-inline void prefetch_key(const uint16_t* row, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + off, _MM_HINT_T1);
-}
-
 template <int64_t DD>  // head size: a multiple of 32
 struct DotBf16 {
   static constexpr int64_t D = DD;
   static constexpr int NC = D / Avx512::W;  // the vector kernel's chunks of a row
-  // K rows are prefetched 16 KiB ahead into L2, as the vector kernel's (decode_attention_body.h measured why).
-  static constexpr int64_t kAheadKeys = 16384 / (2 * D);
+  // K rows are prefetched kAheadBytes ahead into L2, as the vector kernel's (decode_attention_body.h measured why).
+  static constexpr int64_t kAheadKeys = kAheadBytes / (2 * D);
   static constexpr int kScoreRows = 8;  // query rows a scores pass: 8 accumulators beside the 16 transposed keys
 
   // scores[g, 0 .. 15] = scale * q_g . k_l for the block's n keys (zeros past n). pre: how many of the keys
@@ -63,7 +59,7 @@ struct DotBf16 {
         __m512i r[16];
         for (int64_t j = 0; j < 16; ++j) {
           if (g0 == 0 && h == 0 && j < pre)
-            prefetch_key(kbase + static_cast<int64_t>(slots[kAheadKeys + j]) * kv_stride, 2 * D);
+            prefetch_row(kbase + static_cast<int64_t>(slots[kAheadKeys + j]) * kv_stride, 2 * D);
           r[j] = j < n ? _mm512_loadu_si512(kbase + static_cast<int64_t>(slots[j]) * kv_stride + 32 * h)
                        : _mm512_setzero_si512();
         }
@@ -85,8 +81,7 @@ struct DotBf16 {
     const int64_t Lp = (L + 15) / 16 * 16;
     const uint16_t* kbase = k + kh * D;
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t l = 0; l < (L < kAheadKeys ? L : kAheadKeys); ++l)
-      prefetch_key(kbase + static_cast<int64_t>(slots[l]) * kv_stride, 2 * D);
+    prefetch_start(kbase, slots, kv_stride, 2 * D, kAheadKeys, L);
     for (int64_t l0 = 0; l0 < L; l0 += 16) {
       const int64_t pre = L - l0 - kAheadKeys;
       score_block<kScoreRows>(q, G, kbase, slots + l0, L - l0 < 16 ? L - l0 : 16, pre < 0 ? 0 : pre, kv_stride,
