@@ -1,5 +1,6 @@
 """Benchmark ember::linear_gguf (GGUF block bytes, int8 activations) against the machine's read bandwidth and
-against ember::linear_q on the same weights (gguf_repack.repack + format.pack), on Llama-3.2-1B shapes.
+against ember::linear_q on the same weights (gguf_repack.repack + format.pack), on Llama-3.2-1B shapes (--model
+smollm2: SmolLM2-135M's).
 
 Per type, kernel variant and row count: the linears of `--layers` distinct layers run in model order, as the model
 calls them (q|k|v, o, gate|up, down: shards of one type stacked into one weight), each call timed on its own, on
@@ -29,10 +30,18 @@ from engine.quant import gguf_blocks as gb
 from engine.quant.format import pack
 from engine.quant.gguf_repack import repack
 
-HIDDEN, KV, MLP = 2048, 512, 8192
-# The calls one Llama-1B layer makes: the model stacks the shards of one type into one weight (q|k|v, gate|up).
-SHAPES = {"q|k|v 3072x2048": (HIDDEN + 2 * KV, HIDDEN), "o 2048x2048": (HIDDEN, HIDDEN),
-          "gate|up 16384x2048": (2 * MLP, HIDDEN), "down 2048x8192": (HIDDEN, MLP)}
+# (hidden, kv width, mlp) of the models whose layers are timed (--model)
+MODELS = {"llama1b": (2048, 512, 8192), "smollm2": (576, 192, 1536)}
+
+
+def layer_shapes(hidden: int, kv: int, mlp: int) -> dict[str, tuple[int, int]]:
+    """The calls one layer makes, as (n, k): the model stacks the shards of one type into one weight (q|k|v,
+    gate|up)."""
+    return {f"q|k|v {hidden + 2 * kv}x{hidden}": (hidden + 2 * kv, hidden), f"o {hidden}x{hidden}": (hidden, hidden),
+            f"gate|up {2 * mlp}x{hidden}": (2 * mlp, hidden), f"down {hidden}x{mlp}": (hidden, mlp)}
+
+
+SHAPES = layer_shapes(*MODELS["llama1b"])
 ORDER = list(SHAPES)
 FP16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 
@@ -69,7 +78,7 @@ def nbytes(w: object) -> int:
 
 def run(calls: list, rows: int, passes: int) -> dict[str, tuple[float, int, int]]:
     """Per shape: (seconds per call, bytes per call, flops per call), median over passes of the per-pass mean."""
-    xs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, MLP)}
+    xs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES.values()}
     per: dict[str, list[float]] = {}
     for p in range(passes + 1):  # pass 0 warms up
         acc: dict[str, list[float]] = {}
@@ -96,9 +105,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16, help="distinct layers streamed at <= 8 rows")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", choices=list(MODELS), default="llama1b", help="whose layer shapes to time")
     ap.add_argument("--no-old", action="store_true", help="skip ember::linear_q")
     ap.add_argument("--paths", nargs="*", default=["auto"], help="linear_gguf paths: auto int8 wide tile amx amx8")
     args = ap.parse_args()
+    global SHAPES, ORDER
+    SHAPES = layer_shapes(*MODELS[args.model])
+    ORDER = list(SHAPES)
     torch.set_num_threads(args.threads)
     by_name = {v[0]: t for t, v in gb.GGUF_TYPES.items()}
     tiers = {str(torch.ops.ember.linear_gguf_variant(t)): t for t in reversed(SUPPORTED_ISAS)}

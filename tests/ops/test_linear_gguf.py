@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.ops.native import ACTIVE_ISA, NATIVE_OPS, SUPPORTED_ISAS
+from engine.ops.native import ACTIVE_ISA, NATIVE_OPS, SUPPORTED_ISAS, forced_isa
 from engine.quant import gguf_blocks as gb
 
 pytestmark = pytest.mark.skipif(not NATIVE_OPS, reason="the C++ ops are not built")
@@ -214,6 +214,42 @@ def test_simd_variants_match_the_scalar_reference(isa: str, qtype: int) -> None:
         ref = torch.ops.ember.linear_gguf_isa(x, packed, qtype, 45, "scalar").double()
         scale = (x.abs().double() @ w.abs().double().T).max().item()
         assert (got - ref).abs().max().item() <= 2e-6 * scale
+
+
+def _identity_q8_0(k: int) -> torch.Tensor:
+    """Q8_0 rows of the k x k identity (d = 1, code 1 on the diagonal): y = the activations as the kernel quantized
+    them, d_x q exactly (one nonzero product a row)."""
+    raw = np.zeros((k, k // 32, 34), dtype=np.uint8)
+    raw[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    i = np.arange(k)
+    raw[i, i // 32, 2 + i % 32] = 1
+    return gb.interleave(torch.from_numpy(raw.reshape(k, -1)), 8)
+
+
+def test_every_tier_quantizes_activations_to_the_same_values() -> None:
+    """The AVX-512 tiers' quantizer and the portable one give the same int8 codes and block scales, split over the
+    threads or not (100 rows of 512 values are), from fp32 and from bf16 input, ties and zero blocks included;
+    and those are round(x / d) with d = max|x| / 127, within one code of an fp64 reference."""
+    k = 512
+    packed = _identity_q8_0(k)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(100, k, generator=g) * torch.logspace(-3, 3, 100).unsqueeze(1)
+    x[3] = 0.0  # a zero block: d = 0
+    x[4, :32] = torch.arange(32) - 15.5  # d = 15.5 / 127: many values land on halves of a code
+    got = {}
+    for tier in SUPPORTED_ISAS:
+        with forced_isa(tier):
+            for dtype in (torch.float32, torch.bfloat16):
+                got[tier, dtype] = torch.ops.ember.linear_gguf_f32(x.to(dtype), packed, 8, k)
+    for (tier, dtype), y in got.items():
+        want = got[SUPPORTED_ISAS[-1], dtype]
+        assert torch.equal(y, want), f"{tier} {dtype}: {(y - want).abs().max().item()}"
+    ref = got[SUPPORTED_ISAS[-1], torch.float32]
+    blocks = x.double().reshape(100, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
+    assert ((ref.double().reshape(100, k // 32, 32) - codes * d).abs() <= d * 1.0001).all()
+    assert (ref[3] == 0).all()
 
 
 @pytest.mark.parametrize("isa", VARIANTS)

@@ -62,6 +62,16 @@ struct X16Avx2 : GAvx2 {
   static I dot8(I acc, I w, uint32_t x4) {
     return add(acc, MaddDot::dot_s8(w, _mm256_set1_epi32(static_cast<int>(x4))));
   }
+  // out[at .. at + 8) = v[0 .. 8), rounded to bf16 as bf16_bits does where out is bf16.
+  static void store_out(const ember::GgufLinearArgs& a, int64_t at, const float* v) {
+    const __m256 y = _mm256_loadu_ps(v);
+    if (!a.out_bf16) return _mm256_storeu_ps(static_cast<float*>(a.out) + at, y);
+    const __m256i u = _mm256_castps_si256(y);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // r's 8 halves in the low 128
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.out) + at), _mm256_castsi256_si128(p));
+  }
 };
 }  // namespace
 

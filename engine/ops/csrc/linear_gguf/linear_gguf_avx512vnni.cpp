@@ -102,6 +102,15 @@ struct X16Avx512 : GAvx512 {  // 16 rows a zmm, GAvx512's arithmetic; Q8_0 made 
   static I dot(I acc, I w, uint32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(static_cast<int>(x4))); }
   static I dot8(I acc, I w, uint32_t x4) { return dot(acc, w, x4); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  // out[at .. at + 16) = v[0 .. 16), rounded to bf16 as bf16_bits does where out is bf16.
+  static void store_out(const ember::GgufLinearArgs& a, int64_t at, const float* v) {
+    const __m512 y = _mm512_loadu_ps(v);
+    if (!a.out_bf16) return _mm512_storeu_ps(static_cast<float*>(a.out) + at, y);
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a.out) + at), _mm512_cvtepi32_epi16(r));
+  }
 };
 }  // namespace
 

@@ -59,9 +59,14 @@ struct X16Body {
         if constexpr (H == 2) {
           if (mt <= B::kBothRows) {
             B::template both_for<T, B::kBothRows>(mt)(a.w + gi * group_bytes, x, k, res);
-            for (int64_t m = 0; m < mt; ++m)
+            for (int64_t m = 0; m < mt; ++m) {
+              if (16 * gi + 16 <= n1) {
+                for (int h = 0; h < H; ++h) P::store_out(a, (m0 + m) * a.n + 16 * gi + L * h, res + 16 * m + L * h);
+                continue;
+              }
               for (int64_t l = 0; l < 16 && 16 * gi + l < n1; ++l)
                 g_store(a, (m0 + m) * a.n + 16 * gi + l, res[16 * m + l]);
+            }
             continue;
           }
         }
@@ -69,8 +74,15 @@ struct X16Body {
           const int64_t r0 = 16 * gi + L * h;
           if (r0 >= n1) break;
           fn(a.w + gi * group_bytes, h, x, k, res);
-          for (int64_t m = 0; m < mt; ++m)
+          // One vector store a row of the tile rather than 16 scalar ones: they weigh most where K is short
+          // (SmolLM2's 576 is 18 blocks a group).
+          for (int64_t m = 0; m < mt; ++m) {
+            if (r0 + L <= n1) {
+              P::store_out(a, (m0 + m) * a.n + r0, res + m * L);
+              continue;
+            }
             for (int64_t l = 0; l < L && r0 + l < n1; ++l) g_store(a, (m0 + m) * a.n + r0 + l, res[m * L + l]);
+          }
         }
       }
     }

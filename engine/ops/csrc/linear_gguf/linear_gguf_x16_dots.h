@@ -153,6 +153,32 @@ struct X16Dots {
           w[4 + c] = P::and_(P::srli16_4(q), P::mask8(0x0F));
         }
       }
+      if constexpr (!P::kPairSums && MT >= 4) {
+        // Two rows at a time, their dots interleaved: a row's 8 dots are one dependent chain, and a row at a time
+        // leaves the out-of-order window few independent dots (a loop of this shape alone: 1.43 -> 2.31 G dots/s on
+        // a Zen 4 core). In the kernel, with the vector stores of linear_gguf_x16.h, 0.89-0.94x the time at 8-244
+        // rows on SmolLM2's shapes, 0.92-0.96x on Llama-1B's (Zen 4, 2 threads, the two in turn in one process).
+        // Each row's sum is the same chain as alone, so its bits do not change.
+#pragma GCC unroll 16
+        for (int m = 0; m < MT - 1; m += 2) {
+          const int8_t* x0 = x.q + m * x.ldq + 32 * b;
+          const int8_t* x1 = x0 + x.ldq;
+          I s0 = P::izero(), s1 = P::izero();
+          for (int c = 0; c < 8; ++c) {
+            s0 = P::dot8(s0, w[c], g_load32(reinterpret_cast<const uint8_t*>(x0 + 4 * c)));
+            s1 = P::dot8(s1, w[c], g_load32(reinterpret_cast<const uint8_t*>(x1 + 4 * c)));
+          }
+          acc[m] = scale32<T>(s0, dw, mw, x, m * nb + b, acc[m]);
+          acc[m + 1] = scale32<T>(s1, dw, mw, x, (m + 1) * nb + b, acc[m + 1]);
+        }
+        if constexpr (MT % 2 == 1) {
+          const int8_t* xm = x.q + (MT - 1) * x.ldq + 32 * b;
+          I s = P::izero();
+          for (int c = 0; c < 8; ++c) s = P::dot8(s, w[c], g_load32(reinterpret_cast<const uint8_t*>(xm + 4 * c)));
+          acc[MT - 1] = scale32<T>(s, dw, mw, x, (MT - 1) * nb + b, acc[MT - 1]);
+        }
+        continue;
+      }
       for (int m = 0; m < MT; ++m) {
         const int8_t* xm = x.q + m * x.ldq + 32 * b;
         I s;
