@@ -156,8 +156,8 @@ struct X16Dots {
       if constexpr (!P::kPairSums && MT >= 4) {
         // Two rows at a time, their dots interleaved: a row's 8 dots are one dependent chain, and a row at a time
         // leaves the out-of-order window few independent dots (a loop of this shape alone: 1.43 -> 2.31 G dots/s on
-        // a Zen 4 core). In the kernel, with the vector stores of linear_gguf_x16.h, 0.89-0.94x the time at 8-244
-        // rows on SmolLM2's shapes, 0.92-0.96x on Llama-1B's (Zen 4, 2 threads, the two in turn in one process).
+        // a Zen 4 core). In the kernel, with the vector stores of linear_gguf_x16.h: 0.89-0.94x the time at 8-244
+        // rows on SmolLM2's shapes, 0.89-1.00x on Llama-1B's (Zen 4, 2 threads, alternated in one process).
         // Each row's sum is the same chain as alone, so its bits do not change.
 #pragma GCC unroll 16
         for (int m = 0; m < MT - 1; m += 2) {
