@@ -1,8 +1,8 @@
 // ember::linear_gguf on CPU: y[..., N] = x[..., K] @ W[N, K]^T for a weight held in GGUF's own block bytes,
 // interleaved in row groups (linear_gguf.h), x and y in bf16 or fp32; and ember::gguf_rows, the exact dequantized rows
-// (embeddings). This file checks the arguments, quantizes x to int8 once per call, picks the kernel of the active
-// ISA tier and spreads blocks of 32 output rows over the threads (common/parallel_blocks.h). ISA: none, but for the
-// quantizer's AVX-512 and AVX2 versions, each in a target region of its own and called only on its tiers.
+// (embeddings). This file checks the arguments, quantizes x to int8 once per call (quantize_acts.h), picks the
+// kernel of the active ISA tier and spreads blocks of 32 output rows over the threads (common/parallel_blocks.h).
+// ISA: none.
 //
 // Kernel per tier, as linear_q: avx512 and avx512bf16 run the AVX512-VNNI kernel (512-bit) where the CPU has VNNI
 // and the AVX2 kernel otherwise; avx2 the AVX2 kernel; scalar the portable reference.
@@ -11,18 +11,15 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "common/cpu_isa.h"
-#include "common/dtypes.h"
 #include "common/parallel_blocks.h"
-#include "common/row_stride.h"
 #include "common/widen_bf16.h"
+#include "linear_gguf/quantize_acts.h"
 
 namespace ember {
 namespace {
@@ -46,170 +43,6 @@ GgufKernel kernel_for(Isa isa, int64_t qtype) {
     case Variant::kScalar: break;
   }
   return linear_gguf_kernel_scalar(qtype);
-}
-
-// Activation values a thread quantizes at least (a call of fewer stays on one: waking the other costs more).
-constexpr int64_t kQuantizeGrainValues = 1 << 15;
-
-struct QuantizedActs {
-  std::vector<int8_t> q;
-  int64_t ldq = 0;  // row stride of q (row_stride: padded when several rows share the call)
-  std::vector<float> d, msum;
-  std::vector<int16_t> bsum, s32;
-  std::vector<int32_t> off;
-  std::vector<int8_t> q32;  // the amx8 path's A tiles
-  std::vector<float> kt;
-  std::vector<int16_t> ktp;
-};
-
-// A quantized block's sums: per 16 (bsum), and per 32 as each type's kernels take them.
-template <int QB>
-inline void block_sums(const int* sums, float d, int64_t j, int lane_offset, QuantizedActs& o) {
-  for (int s = 0; s < QB / 16; ++s) o.bsum[j * QB / 16 + s] = static_cast<int16_t>(sums[s]);
-  if constexpr (QB == 256) {
-    for (int s = 0; s < 8; ++s)  // |sum over 32| <= 32 x 127: an int16
-      o.s32[j * 8 + s] = static_cast<int16_t>(sums[2 * s] + sums[2 * s + 1]);
-  } else {
-    const int sum = sums[0] + sums[1];
-    o.off[j] = sum * lane_offset;
-    o.msum[j] = d * static_cast<float>(sum) * 0.125f;
-  }
-}
-
-// Per row, per block of QB (32 or 256): d = max|x| / 127, q = round(x / d), sums per 16; x in fp32 or (xb) bf16,
-// widened exactly on the way. Rows [r0, r1) of o, sized by quantize(). The SIMD versions below do the same
-// IEEE operations in the same order (t = x id, then t + copysign(0.5, t), each rounded), so every CPU and every
-// forced variant sees the same int8 values.
-template <int QB>
-void quantize_rows(const float* xf, const uint16_t* xb, int64_t r0, int64_t r1, int64_t k, int lane_offset,
-                   QuantizedActs& o) {
-  const int64_t nb = k / QB;
-  for (int64_t j = r0 * nb; j < r1 * nb; ++j) {
-    float v[QB];
-    for (int i = 0; i < QB; ++i) v[i] = xb != nullptr ? bf16_value(xb[j * QB + i]) : xf[j * QB + i];
-    float amax = 0.0f;
-    for (int i = 0; i < QB; ++i) amax = std::fmax(amax, std::fabs(v[i]));
-    const float d = amax / kGgufActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int8_t* q = o.q.data() + j / nb * o.ldq + j % nb * QB;
-    int sums[QB / 16] = {};
-    // Round half away from zero: |v id| <= 127 (+ an ulp), so |q| <= 127 without a clamp.
-    for (int i = 0; i < QB; ++i) {
-      const float t = v[i] * id;
-      q[i] = static_cast<int8_t>(static_cast<int>(t + std::copysign(0.5f, t)));
-      sums[i / 16] += q[i];
-    }
-    o.d[j] = d;
-    block_sums<QB>(sums, d, j, lane_offset, o);
-  }
-}
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
-template <int QB>
-void quantize_rows_avx512(const float* xf, const uint16_t* xb, int64_t r0, int64_t r1, int64_t k, int lane_offset,
-                          QuantizedActs& o) {
-  constexpr int C = QB / 16;
-  const int64_t nb = k / QB;
-  const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f);
-  for (int64_t j = r0 * nb; j < r1 * nb; ++j) {
-    __m512 v[C];
-    __m512 amax = _mm512_setzero_ps();
-    for (int c = 0; c < C; ++c) {
-      if (xb != nullptr) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + j * QB + 16 * c));
-        v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      } else {
-        v[c] = _mm512_loadu_ps(xf + j * QB + 16 * c);
-      }
-      amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, v[c]));
-    }
-    const float d = _mm512_reduce_max_ps(amax) / kGgufActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int8_t* q = o.q.data() + j / nb * o.ldq + j % nb * QB;
-    int sums[C];
-    for (int c = 0; c < C; ++c) {
-      const __m512 t = _mm512_mul_round_ps(v[c], _mm512_set1_ps(id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512 r = _mm512_add_round_ps(t, _mm512_or_ps(_mm512_and_ps(t, sign), half),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512i qi = _mm512_cvttps_epi32(r);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * c), _mm512_cvtepi32_epi8(qi));
-      sums[c] = _mm512_reduce_add_epi32(qi);
-    }
-    o.d[j] = d;
-    block_sums<QB>(sums, d, j, lane_offset, o);
-  }
-}
-#pragma GCC pop_options
-
-// The same on AVX2 (no FMA in this region, so t = x id and the add round separately here too).
-#pragma GCC push_options
-#pragma GCC target("avx2")
-template <int QB>
-void quantize_rows_avx2(const float* xf, const uint16_t* xb, int64_t r0, int64_t r1, int64_t k, int lane_offset,
-                        QuantizedActs& o) {
-  constexpr int C = QB / 8;
-  const int64_t nb = k / QB;
-  const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
-  // The low byte of each int32 lane, gathered into the low 8 bytes (|q| <= 127: the byte is the value).
-  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i join = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
-  for (int64_t j = r0 * nb; j < r1 * nb; ++j) {
-    __m256 v[C];
-    __m256 amax = _mm256_setzero_ps();
-    for (int c = 0; c < C; ++c) {
-      if (xb != nullptr) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + j * QB + 8 * c));
-        v[c] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-      } else {
-        v[c] = _mm256_loadu_ps(xf + j * QB + 8 * c);
-      }
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[c]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float d = _mm_cvtss_f32(m4) / kGgufActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int8_t* q = o.q.data() + j / nb * o.ldq + j % nb * QB;
-    int sums[QB / 16];
-    for (int c = 0; c < C; c += 2) {
-      __m256i qi[2];
-      for (int e = 0; e < 2; ++e) {
-        const __m256 t = _mm256_mul_ps(v[c + e], _mm256_set1_ps(id));
-        qi[e] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_or_ps(_mm256_and_ps(t, sign), half)));
-        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(qi[e], low_bytes), join);
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 8 * (c + e)), _mm256_castsi256_si128(b));
-      }
-      const __m256i s8 = _mm256_add_epi32(qi[0], qi[1]);
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-      s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-      sums[c / 2] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1)));
-    }
-    o.d[j] = d;
-    block_sums<QB>(sums, d, j, lane_offset, o);
-  }
-}
-#pragma GCC pop_options
-
-// quantize_rows over all rows, split over the threads where there are enough values to pay for waking them.
-void quantize(const float* xf, const uint16_t* xb, int64_t rows, int64_t k, int64_t qb, int lane_offset, Isa isa,
-              QuantizedActs& o) {
-  o.ldq = row_stride(rows, k, sizeof(int8_t));
-  o.q.resize(rows * o.ldq);
-  o.d.resize(rows * k / qb);
-  o.bsum.resize(rows * k / 16);
-  if (qb == 32) {
-    o.off.resize(rows * k / 32);
-    o.msum.resize(rows * k / 32);
-  } else {
-    o.s32.resize(rows * k / 32);
-  }
-  // By the tier, so that the tests comparing tiers compare the versions too.
-  using Fn = void (*)(const float*, const uint16_t*, int64_t, int64_t, int64_t, int, QuantizedActs&);
-  const Fn fn = isa >= Isa::kAvx512 ? (qb == 32 ? quantize_rows_avx512<32> : quantize_rows_avx512<256>)
-                : isa == Isa::kAvx2 ? (qb == 32 ? quantize_rows_avx2<32> : quantize_rows_avx2<256>)
-                                    : (qb == 32 ? quantize_rows<32> : quantize_rows<256>);
-  at::parallel_for(0, rows, std::max<int64_t>(1, kQuantizeGrainValues / k),
-                   [&](int64_t r0, int64_t r1) { fn(xf, xb, r0, r1, k, lane_offset, o); });
 }
 
 // The wide path: GgufActs::kt and ktp, the 8-row tiles' block scales and sub-block sums with the rows in the lanes.
@@ -330,7 +163,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
   if (tile) {
     args.xf = xf;
   } else {
-    quantize(xf, xb, rows, k, gguf_type_info(qtype).values, kernel.lane_offset, isa, acts);
+    quantize_acts(xf, xb, rows, k, gguf_type_info(qtype).values, kernel.lane_offset, isa, acts);
     if (path == Path::kWide) transpose_tiles(rows, k, acts);
     if (path == Path::kAmx8) {  // GgufActs::q32: the A tiles
       const int64_t rows_pad = (rows + 15) / 16 * 16;
