@@ -29,6 +29,23 @@ struct X16Body {
     else return mt == MT ? f : dot_for<T, MT - 1>(mt);
   }
 
+  // res [mt, width] (width a multiple of L) into output rows m0.. and columns c0..: one vector store per L columns
+  // rather than L scalar ones (they weighed most where K is short: SmolLM2's 576 is 18 blocks a group), scalar
+  // stores only where the weight ends (n1) inside a vector.
+  static void store_rows(const GgufLinearArgs& a, int64_t m0, int64_t mt, int64_t c0, int width, int64_t n1,
+                         const float* res) {
+    for (int64_t m = 0; m < mt; ++m)
+      for (int c = 0; c < width; c += L) {
+        const float* v = res + m * width + c;
+        const int64_t at = (m0 + m) * a.n + c0 + c;
+        if (c0 + c + L <= n1) {
+          P::store_out(a, at, v);
+        } else {
+          for (int64_t l = 0; l < L && c0 + c + l < n1; ++l) g_store(a, at + l, v[l]);
+        }
+      }
+  }
+
   // Every row of output block `block` (two groups), activation rows in tiles of kRowTile sharing each decoded chunk.
   template <int T>
   static void run_block(const GgufLinearArgs& a, int64_t block, float*) {
@@ -59,14 +76,7 @@ struct X16Body {
         if constexpr (H == 2) {
           if (mt <= B::kBothRows) {
             B::template both_for<T, B::kBothRows>(mt)(a.w + gi * group_bytes, x, k, res);
-            for (int64_t m = 0; m < mt; ++m) {
-              if (16 * gi + 16 <= n1) {
-                for (int h = 0; h < H; ++h) P::store_out(a, (m0 + m) * a.n + 16 * gi + L * h, res + 16 * m + L * h);
-                continue;
-              }
-              for (int64_t l = 0; l < 16 && 16 * gi + l < n1; ++l)
-                g_store(a, (m0 + m) * a.n + 16 * gi + l, res[16 * m + l]);
-            }
+            store_rows(a, m0, mt, 16 * gi, 16, n1, res);
             continue;
           }
         }
@@ -74,15 +84,7 @@ struct X16Body {
           const int64_t r0 = 16 * gi + L * h;
           if (r0 >= n1) break;
           fn(a.w + gi * group_bytes, h, x, k, res);
-          // One vector store a row of the tile rather than 16 scalar ones: they weigh most where K is short
-          // (SmolLM2's 576 is 18 blocks a group).
-          for (int64_t m = 0; m < mt; ++m) {
-            if (r0 + L <= n1) {
-              P::store_out(a, (m0 + m) * a.n + r0, res + m * L);
-              continue;
-            }
-            for (int64_t l = 0; l < L && r0 + l < n1; ++l) g_store(a, (m0 + m) * a.n + r0 + l, res[m * L + l]);
-          }
+          store_rows(a, m0, mt, r0, L, n1, res);
         }
       }
     }

@@ -34,8 +34,14 @@ inline void block_sums(const int* sums, float d, int64_t j, int lane_offset, Qua
   }
 }
 
+// A block's scale d = max|x| / 127 and its inverse (0 for an all-zero block): one expression for every version.
+inline void block_scale(float amax, float& d, float& id) {
+  d = amax / kGgufActMax;
+  id = d != 0.0f ? 1.0f / d : 0.0f;
+}
+
 // Per row, per block of QB (32 or 256): d = max|x| / 127, q = round(x / d), sums per 16; x in fp32 or (xb) bf16,
-// widened exactly on the way. Rows [r0, r1) of o, sized by quantize(). The SIMD versions below do the same
+// widened exactly on the way. Rows [r0, r1) of o, sized by quantize_acts(). The SIMD versions below do the same
 // IEEE operations in the same order (t = x id, then t + copysign(0.5, t), each rounded), so every CPU and every
 // forced variant sees the same int8 values.
 template <int QB>
@@ -47,7 +53,8 @@ void quantize_rows(const float* xf, const uint16_t* xb, int64_t r0, int64_t r1, 
     for (int i = 0; i < QB; ++i) v[i] = xb != nullptr ? bf16_value(xb[j * QB + i]) : xf[j * QB + i];
     float amax = 0.0f;
     for (int i = 0; i < QB; ++i) amax = std::fmax(amax, std::fabs(v[i]));
-    const float d = amax / kGgufActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
+    float d, id;
+    block_scale(amax, d, id);
     int8_t* q = o.q.data() + j / nb * o.ldq + j % nb * QB;
     int sums[QB / 16] = {};
     // Round half away from zero: |v id| <= 127 (+ an ulp), so |q| <= 127 without a clamp.
@@ -81,7 +88,8 @@ void quantize_rows_avx512(const float* xf, const uint16_t* xb, int64_t r0, int64
       }
       amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, v[c]));
     }
-    const float d = _mm512_reduce_max_ps(amax) / kGgufActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
+    float d, id;
+    block_scale(_mm512_reduce_max_ps(amax), d, id);
     int8_t* q = o.q.data() + j / nb * o.ldq + j % nb * QB;
     int sums[C];
     for (int c = 0; c < C; ++c) {
@@ -126,7 +134,8 @@ void quantize_rows_avx2(const float* xf, const uint16_t* xb, int64_t r0, int64_t
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float d = _mm_cvtss_f32(m4) / kGgufActMax, id = d != 0.0f ? 1.0f / d : 0.0f;
+    float d, id;
+    block_scale(_mm_cvtss_f32(m4), d, id);
     int8_t* q = o.q.data() + j / nb * o.ldq + j % nb * QB;
     int sums[QB / 16];
     for (int c = 0; c < C; c += 2) {
@@ -148,9 +157,10 @@ void quantize_rows_avx2(const float* xf, const uint16_t* xb, int64_t r0, int64_t
 }
 #pragma GCC pop_options
 
-// quantize_rows over all rows, split over the threads where there are enough values to pay for waking them.
 }  // namespace
 
+// quantize_rows (or its tier's version) over all rows, split over the threads where there are enough values to pay
+// for waking them.
 void quantize_acts(const float* xf, const uint16_t* xb, int64_t rows, int64_t k, int64_t qb, int lane_offset, Isa isa,
                    QuantizedActs& o) {
   o.ldq = row_stride(rows, k, sizeof(int8_t));
@@ -171,6 +181,5 @@ void quantize_acts(const float* xf, const uint16_t* xb, int64_t rows, int64_t k,
   at::parallel_for(0, rows, std::max<int64_t>(1, kQuantizeGrainValues / k),
                    [&](int64_t r0, int64_t r1) { fn(xf, xb, r0, r1, k, lane_offset, o); });
 }
-
 
 }  // namespace ember
