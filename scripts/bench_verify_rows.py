@@ -4,12 +4,16 @@ step with one row each. Prints the median ms per step and its ratio to r = 1: th
 one pass (docs/speculative-decoding.md).
 
     .venv/bin/python scripts/bench_verify_rows.py [MODEL] [--requests 1] [--rows 1 2 4 8]
-        [--context 384] [--threads 2] [--eager] [--no-cpp-wrapper] [--llama1b]
+        [--context 384] [--threads 2] [--eager] [--no-cpp-wrapper] [--llama1b] [--ceiling PROMPT MAX_TOKENS]
 
 MODEL: a GGUF file or HF folder (default: the embedded SmolLM2). Each request holds --context tokens of random
 prompt (prefilled once), so the attention reads a realistic context. The steps run the compiled decode bucket of
 R * r rows (compiled at start) unless --eager. --llama1b: a random Llama-3.2-1B-shaped bf16 model instead (~2.5 GB
 written to a temp dir; scripts/bench_kv_disk.py's).
+--ceiling PROMPT MAX_TOKENS: also time one prefill of PROMPT tokens and print the most speculation could gain for
+R clients each sending such requests, if every draft were accepted: R prefills plus MAX_TOKENS steps of R rows,
+against R prefills plus MAX_TOKENS / r steps of R * r rows (prefills cost the same in both modes, and on a
+compute-bound CPU running them beside decode saves nothing; docs/speculative-decoding.md).
 """
 from __future__ import annotations
 
@@ -35,26 +39,72 @@ from engine.loader import open_checkpoint  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 
 
-def step_ms(runner: ModelRunner, req_rows: list[int], context: int, r: int, repeats: int = 12) -> float:
-    """Median ms of a decode step of r rows per request, at positions context.. of each request row."""
+def one_step(runner: ModelRunner, req_rows: list[int], context: int, r: int) -> float:
+    """Seconds of one decode step of r rows per request, at positions context.. of each request row."""
     n = len(req_rows)
     rows = torch.tensor(req_rows).repeat_interleave(r)
     positions = (context + torch.arange(r)).repeat(n)
-    times = []
-    for _ in range(repeats):
-        slots = runner.kv_pool.allocate(n * r)
-        assert slots is not None
-        t0 = time.perf_counter()
-        runner.forward(ForwardBatch.decode(torch.full((n * r,), 7), positions, rows, slots))
-        times.append(time.perf_counter() - t0)
-        runner.kv_pool.free(slots)
-    return statistics.median(times[2:]) * 1e3  # (the first calls pay one-time costs)
+    slots = runner.kv_pool.allocate(n * r)
+    assert slots is not None
+    t0 = time.perf_counter()
+    runner.forward(ForwardBatch.decode(torch.full((n * r,), 7), positions, rows, slots))
+    took = time.perf_counter() - t0
+    runner.kv_pool.free(slots)
+    return took
+
+
+def step_ms(runner: ModelRunner, req_rows: list[int], context: int, rows: list[int], prompt_len: int,
+            repeats: int = 12) -> tuple[list[tuple[int, float]], float]:
+    """(r, median ms of a step of r rows per request) for each r, and the median ms of one prefill of prompt_len
+    tokens (0: none), taken in turn each round, so that a shared host's drift moves them all alike (the first two
+    rounds pay one-time costs and are left out)."""
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    prefills: list[float] = []
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(repeats + 2):
+        for r in rows:
+            times[r].append(one_step(runner, req_rows, context, r))
+        if prompt_len:
+            prefills.append(one_prefill(runner, prompt_len, gen))
+    pre = statistics.median(prefills[2:]) * 1e3 if prompt_len else 0.0
+    return [(r, statistics.median(times[r][2:]) * 1e3) for r in rows], pre
+
+
+def one_prefill(runner: ModelRunner, tokens: int, gen: torch.Generator) -> float:
+    """Seconds of one prefill of `tokens` random tokens on a fresh request row (given back after)."""
+    row, slots = runner.req_pool.allocate(), runner.kv_pool.allocate(tokens)
+    assert row is not None and slots is not None
+    prompt = torch.randint(0, runner.model_config.vocab_size, (tokens,), generator=gen).tolist()
+    t0 = time.perf_counter()
+    runner.forward(ForwardBatch.prefill([PrefillChunk(row, 0, prompt, slots)]))
+    took = time.perf_counter() - t0
+    runner.kv_pool.free(slots)
+    runner.req_pool.free(row)
+    return took
+
+
+def print_ceiling(requests: int, prompt: int, max_tokens: int, pre_ms: float, times: list[tuple[int, float]]) -> None:
+    """The bound --ceiling describes, for each r of the measured rows (r = 1 is speculation off)."""
+    base = dict(times)[1]
+    off = requests * pre_ms + max_tokens * base
+    parts = []
+    for r, ms in times:
+        if r == 1:
+            continue
+        decode = -(-max_tokens // r) * ms
+        ratio, decode_ratio = off / (requests * pre_ms + decode), max_tokens * base / decode
+        parts.append(f"{r} rows {ratio:.2f}x (decode alone {decode_ratio:.2f}x)")
+    print(f"ceiling, {requests} clients, {prompt}-token prompts ({pre_ms:.1f} ms a prefill), {max_tokens} tokens, "
+          "every draft accepted: " + ", ".join(parts), flush=True)
 
 
 def measure(model: str | None, args: argparse.Namespace) -> None:
     buckets = tuple(sorted({args.requests * r for r in args.rows}))
-    cfg = EngineConfig(model=model, max_total_tokens=args.requests * (args.context + 64) + 1024,
-                       max_running_requests=max(buckets), decode_buckets=buckets, disable_compile=args.eager,
+    prompt_len = args.ceiling[0] if args.ceiling else 0
+    # (one request row more than the requests: the --ceiling prefills')
+    cfg = EngineConfig(model=model, max_total_tokens=args.requests * (args.context + 64) + prompt_len + 1024,
+                       max_running_requests=max(max(buckets), args.requests + 1),
+                       decode_buckets=buckets, disable_compile=args.eager,
                        num_threads=args.threads, background_compile=False,
                        cpp_wrapper=args.cpp_wrapper).resolved()
     runner = ModelRunner(cfg, open_checkpoint(model))
@@ -67,10 +117,12 @@ def measure(model: str | None, args: argparse.Namespace) -> None:
         prompt = torch.randint(0, runner.model_config.vocab_size, (args.context,), generator=gen).tolist()
         chunks.append(PrefillChunk(row, 0, prompt, slots))
     runner.forward(ForwardBatch.prefill(chunks))
-    times = [(r, step_ms(runner, req_rows, args.context, r)) for r in args.rows]
+    times, pre_ms = step_ms(runner, req_rows, args.context, args.rows, prompt_len)
     mode = "eager" if args.eager else "compiled"
     print(f"{model or 'smollm2'} ({mode}, {args.requests} request(s), context {args.context}): " +
           ", ".join(f"{r} rows each {ms:.2f} ms ({ms / times[0][1]:.2f}x)" for r, ms in times), flush=True)
+    if args.ceiling:
+        print_ceiling(args.requests, prompt_len, args.ceiling[1], pre_ms, times)
 
 
 def main() -> None:
@@ -84,7 +136,10 @@ def main() -> None:
     ap.add_argument("--cpp-wrapper", action=argparse.BooleanOptionalAction, default=True,
                     help="inductor's C++ wrapper, as `ember serve` compiles (default: %(default)s)")
     ap.add_argument("--llama1b", action="store_true")
+    ap.add_argument("--ceiling", nargs=2, type=int, metavar=("PROMPT", "MAX_TOKENS"), default=None)
     args = ap.parse_args()
+    if args.ceiling and 1 not in args.rows:
+        ap.error("--ceiling needs --rows to include 1 (speculation off)")
     if args.llama1b:
         with tempfile.TemporaryDirectory() as tmp:
             measure(str(llama1b(Path(tmp) / "l1b")), args)
