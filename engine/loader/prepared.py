@@ -33,7 +33,7 @@ from engine.quant.module import install_from_state, state_info
 
 log = logging.getLogger("ember.loader")
 
-FORMAT = 5  # bump when the prepared files' meaning changes (weight layout, config fields)
+FORMAT = 6  # bump when the prepared files' meaning changes (weight layout, config fields)
 
 
 def checkpoint_fingerprint(source: Path) -> str:

@@ -4,12 +4,14 @@ A GGUF tensor of a block type is, per row, `row_bytes = K / block_values * block
 (ggml-common.h). `interleave` only permutes them, in groups of `group_rows(qtype)` rows, so the kernel computing a
 group reads one sequential stream; the last group is padded with zero rows (which dequantize to 0). Nothing is
 widened: the op reads exactly the file's bytes (engine/ops/csrc/linear_gguf/linear_gguf.h). Two layouts:
-- 4-row groups (Q5_0, Q5_1, Q5_K, Q6_K): within group g (rows 4g..4g+3) block b of row r sits whole at byte
+- 4-row groups (Q5_0, Q5_1, Q5_K): within group g (rows 4g..4g+3) block b of row r sits whole at byte
   (4 * b + r) * block_bytes.
-- 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0, Q4_K): block b of a group is 16 * block_bytes bytes: the 16
-  rows' fp16 d, for Q4_1 / Q4_K their fp16 m / dmin, then the rest of the block (Q4_K: its 12 scale bytes, then
-  the codes) in chunks of 4 bytes per row, chunk by chunk (chunk c: bytes 4c..4c+3 of row 0, of row 1, .. of row
-  15), so one SIMD dot of a chunk covers 16 rows.
+- 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): block b of a group is 16 * block_bytes bytes:
+  the 16 rows' fp16 d (Q6_K's, which its blocks store last), for Q4_1 / Q4_K their fp16 m / dmin, then the rest of
+  the block (Q4_K: its 12 scale bytes, then the codes) in chunks of 4 bytes per row, chunk by chunk (chunk c: bytes
+  4c..4c+3 of row 0, of row 1, .. of row 15), so one SIMD dot of a chunk covers 16 rows. Q6_K's rest goes in the
+  order its kernel reads it: the 16 scales, then per half of the block its 64 low-nibble bytes and 32 high-bit
+  bytes (file bytes 192-207, 0-63, 128-159, 64-127, 160-191).
 
 `dequantize` (gguf.quants.dequantize) is the oracle; `linear` and `rows` fall back to it without native ops.
 """
@@ -29,7 +31,8 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
     for t in (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K)
 }
 ROW_GROUP = 4  # the 4-row layout's group
-X16_TYPES = frozenset({int(_T.Q4_0), int(_T.Q4_1), int(_T.Q8_0), int(_T.Q4_K)})  # the 16-row layout's types
+# the 16-row layout's types
+X16_TYPES = frozenset({int(_T.Q4_0), int(_T.Q4_1), int(_T.Q8_0), int(_T.Q4_K), int(_T.Q6_K)})
 
 
 def group_rows(qtype: int) -> int:
@@ -37,10 +40,14 @@ def group_rows(qtype: int) -> int:
     return 16 if int(qtype) in X16_TYPES else ROW_GROUP
 
 
-def _x16_fields(qtype: int) -> tuple[int, int]:
-    """(bytes of fp16 scales, the rest) of one block of a 16-row type: d (and Q4_1's m, Q4_K's dmin) first."""
+def _x16_fields(qtype: int) -> tuple[slice, list[slice]]:
+    """Where in a file block of a 16-row type its fp16 scales (d, and Q4_1's m / Q4_K's dmin) lie, and the rest in
+    the layout's order (the module docstring): the scales first and the rest in order, but Q6_K's d last."""
+    size = _info(qtype)[2]
+    if int(qtype) == int(_T.Q6_K):
+        return slice(208, 210), [slice(192, 208), slice(0, 64), slice(128, 160), slice(64, 128), slice(160, 192)]
     head = 4 if int(qtype) in (int(_T.Q4_1), int(_T.Q4_K)) else 2
-    return head, _info(qtype)[2] - head
+    return slice(0, head), [slice(head, size)]
 
 
 def _info(qtype: int) -> tuple[str, int, int]:
@@ -75,12 +82,17 @@ def interleave(raw: torch.Tensor, qtype: int) -> torch.Tensor:
         return blocks.contiguous().view(groups, g * nb * size)
     # Copied straight into place through views (one pass, no intermediate copies: a load's peak memory is the
     # largest weight twice, not four times).
-    head, codes = _x16_fields(qtype)
+    hs, rest = _x16_fields(qtype)
+    head = hs.stop - hs.start
     out = raw.new_empty((groups, nb, g * size))
     out[..., : g * head].view(groups, nb, head // 2, g, 2).copy_(
-        blocks[..., :head].unflatten(-1, (head // 2, 2)).transpose(2, 3))  # [.., field, row, 2 bytes]
-    out[..., g * head :].view(groups, nb, codes // 4, g, 4).copy_(
-        blocks[..., head:].unflatten(-1, (codes // 4, 4)).transpose(2, 3))  # [.., chunk, row, 4 bytes]
+        blocks[..., hs].unflatten(-1, (head // 2, 2)).transpose(2, 3))  # [.., field, row, 2 bytes]
+    at = g * head
+    for part in rest:  # [.., chunk, row, 4 bytes]
+        n_bytes = part.stop - part.start
+        out[..., at : at + g * n_bytes].view(groups, nb, n_bytes // 4, g, 4).copy_(
+            blocks[..., part].unflatten(-1, (n_bytes // 4, 4)).transpose(2, 3))
+        at += g * n_bytes
     return out.view(groups, g * nb * size)
 
 
@@ -97,11 +109,18 @@ def deinterleave(packed: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
     if g == ROW_GROUP:
         blocks = packed.view(groups, nb, g, size)
     else:
-        head, codes = _x16_fields(qtype)
+        hs, rest = _x16_fields(qtype)
+        head = hs.stop - hs.start
         per_block = packed.view(groups, nb, g * size)
-        scales = per_block[..., : g * head].reshape(groups, nb, head // 2, g, 2).transpose(2, 3)
-        chunks = per_block[..., g * head :].reshape(groups, nb, codes // 4, g, 4).transpose(2, 3)
-        blocks = torch.cat([scales.reshape(groups, nb, g, head), chunks.reshape(groups, nb, g, codes)], dim=3)
+        blocks = packed.new_empty((groups, nb, g, size))
+        blocks[..., hs] = per_block[..., : g * head].reshape(groups, nb, head // 2, g, 2).transpose(2, 3).reshape(
+            groups, nb, g, head)
+        at = g * head
+        for part in rest:
+            n_bytes = part.stop - part.start
+            chunks = per_block[..., at : at + g * n_bytes].reshape(groups, nb, n_bytes // 4, g, 4).transpose(2, 3)
+            blocks[..., part] = chunks.reshape(groups, nb, g, n_bytes)
+            at += g * n_bytes
     rows = blocks.transpose(1, 2).reshape(groups * g, nb * size)
     return rows[:n].contiguous()
 

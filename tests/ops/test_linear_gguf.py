@@ -38,6 +38,7 @@ HAS_AMX = bool(NATIVE_OPS and torch.ops.ember.isa_has_amx())
 HAS_AMX8 = bool(NATIVE_OPS and torch.ops.ember.isa_has_amx_int8())
 NO_AMX8 = "this CPU cannot run the amx8 linear_gguf path (no AMX-INT8)"
 X16 = [t for t in TYPES if gb.group_rows(t) == 16]
+AMX8 = [t for t in X16 if gb.GGUF_TYPES[t][0] != "Q6_K"]  # the amx8 path's types: the 16-row layout's but Q6_K
 
 
 def _paths() -> list:
@@ -126,7 +127,7 @@ def test_every_path_matches_gguf_dequantize_then_matmul(isa: str, path: str, qty
         with pytest.raises(RuntimeError, match="no wide path"):
             torch.ops.ember.linear_gguf_path(x, packed, qtype, n, isa, path)
         return
-    if path == "amx8" and qtype not in X16:  # the 16-row layout's only
+    if path == "amx8" and qtype not in AMX8:
         with pytest.raises(RuntimeError, match="amx8 path needs"):
             torch.ops.ember.linear_gguf_path(x, packed, qtype, n, isa, path)
         return
@@ -137,7 +138,7 @@ def test_every_path_matches_gguf_dequantize_then_matmul(isa: str, path: str, qty
 
 
 @pytest.mark.skipif(not HAS_AMX8, reason=NO_AMX8)
-@pytest.mark.parametrize("qtype", X16, ids=[gb.GGUF_TYPES[t][0] for t in X16])
+@pytest.mark.parametrize("qtype", AMX8, ids=[gb.GGUF_TYPES[t][0] for t in AMX8])
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 45])
 def test_amx8_is_the_int8_path_bit_for_bit(qtype: int, rows: int) -> None:
     """The AMX-INT8 tiles make the int8 path's exact integer dots and the same float epilogue: equal outputs, so a
@@ -177,8 +178,8 @@ def test_auto_paths_follow_the_thresholds() -> None:
             seq = [order[_auto(qtype, r, tier)] for r in range(1, 200)]
             assert seq == sorted(seq) and seq[0] == 0, (tier, qtype)
             if tier == "avx512bf16" and HAS_AMX:
-                assert seq[-1] == 4 or (HAS_AMX8 and qtype in X16 and seq[-1] == 3), (qtype, seq[-1])
-                if HAS_AMX8 and qtype in X16:  # the tiles take the 16-row types' decode batches
+                assert seq[-1] == 4 or (HAS_AMX8 and qtype in AMX8 and seq[-1] == 3), (qtype, seq[-1])
+                if HAS_AMX8 and qtype in AMX8:  # the tiles take the 16-row types' decode batches
                     assert _auto(qtype, 16, tier) == "amx8"
             if str(torch.ops.ember.linear_gguf_variant(tier)) == "avx2" and qtype in K_QUANTS and \
                     gb.group_rows(qtype) == 4:  # (a 16-row Q4_K has no wide path: its int8 path has the rows in lanes)
@@ -286,7 +287,7 @@ def test_interleave_is_a_byte_permutation(qtype: int) -> None:
     raw = random_rows(qtype, n, 512, seed=4)
     packed = gb.interleave(raw, qtype)
     g = gb.group_rows(qtype)
-    assert g == (16 if gb.GGUF_TYPES[qtype][0] in ("Q4_0", "Q4_1", "Q8_0", "Q4_K") else 4)
+    assert g == (16 if gb.GGUF_TYPES[qtype][0] in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K") else 4)
     pad = -n % g
     assert packed.shape == (-(-n // g), g * raw.shape[1]) and packed.dtype == torch.uint8
     assert packed.numel() - raw.numel() == pad * raw.shape[1]  # the file's bytes + the zero rows
@@ -296,8 +297,10 @@ def test_interleave_is_a_byte_permutation(qtype: int) -> None:
     blk = packed[1, g * b * size:g * (b + 1) * size]
     if g == 4:  # whole, at (4 b + r) * size of the group
         assert torch.equal(blk[r * size:(r + 1) * size], raw[4 + r, b * size:(b + 1) * size])
-    else:  # the 16 rows' fp16 fields first, field by field, then the codes 4 bytes a row, chunk by chunk
+    else:  # the 16 rows' fp16 fields first, field by field, then the rest 4 bytes a row, chunk by chunk
         src = raw[16 + r, b * size:(b + 1) * size]
+        if gb.GGUF_TYPES[qtype][0] == "Q6_K":  # d last in its blocks; scales, then each half's ql and qh bytes
+            src = torch.cat([src[208:], src[192:208], src[0:64], src[128:160], src[64:128], src[160:192]])
         head = 4 if gb.GGUF_TYPES[qtype][0] in ("Q4_1", "Q4_K") else 2
         for f in range(head // 2):
             assert torch.equal(blk[32 * f + 2 * r:32 * f + 2 * r + 2], src[2 * f:2 * f + 2])
@@ -378,11 +381,11 @@ def test_torch_compile_fullgraph_equals_eager() -> None:
     ("n", "not an interleaved weight of 13 rows"),
     ("dtype", "bfloat16 or float32 input"),
     ("packed_dtype", "contiguous uint8"),
-    ("bytes", "not 4 rows of whole 210-byte blocks"),
+    ("bytes", "not 4 rows of whole 176-byte blocks"),
 ])
 def test_bad_arguments_are_refused_clearly(bad: str, match: str) -> None:
-    _, packed, _ = _packed(14, 10, 512, seed=9)  # Q6_K: 4-row groups, so 13 rows cannot be 3 groups' worth
-    x, qtype, n = torch.randn(2, 512), 14, 10
+    _, packed, _ = _packed(13, 10, 512, seed=9)  # Q5_K: 4-row groups, so 13 rows cannot be 3 groups' worth
+    x, qtype, n = torch.randn(2, 512), 13, 10
     if bad == "qtype":
         qtype = 1
     elif bad == "k":

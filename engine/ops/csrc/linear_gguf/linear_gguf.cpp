@@ -93,7 +93,7 @@ Path parse_path(const std::string& p) {
 bool amx_for(Isa isa) { return isa == Isa::kAvx512Bf16 && cpu_has_amx_bf16(); }
 // AMX-INT8 likewise, for the 16-row types (its epilogue is the avx512vnni variant's: every AMX CPU has VNNI).
 bool amx8_for(Isa isa, int64_t qtype) {
-  return amx_for(isa) && cpu_has_amx_int8() && cpu_has_avx512_vnni() && gguf_x16(qtype);
+  return amx_for(isa) && cpu_has_amx_int8() && cpu_has_avx512_vnni() && gguf_amx8_rows(qtype).second > 0;
 }
 
 Path auto_path(const GgufKernel& kernel, Isa isa, int64_t qtype, int64_t rows) {
@@ -127,7 +127,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int
   TORCH_CHECK(path != Path::kAmx || amx_for(isa), "linear_gguf: the AMX path needs the avx512bf16 tier of a CPU "
               "with AMX-BF16 (this CPU: ", cpu_has_amx_bf16() ? "has AMX" : "no AMX", ")");
   TORCH_CHECK(path != Path::kAmx8 || amx8_for(isa, qtype), "linear_gguf: the amx8 path needs the avx512bf16 tier "
-              "of a CPU with AMX-INT8 and a 16-row type (Q4_0, Q4_1, Q8_0, Q4_K), got type ", qtype, " on ",
+              "of a CPU with AMX-INT8 and one of its types (Q4_0, Q4_1, Q8_0, Q4_K), got type ", qtype, " on ",
               isa_name(isa), cpu_has_amx_int8() ? "" : " (this CPU: no AMX-INT8)");
   if (path == Path::kAmx) {
     // bf16 activations padded with zero rows to a multiple of 16 (AMX tiles are 16 rows). Only the pad rows are

@@ -6,14 +6,17 @@
 // interleave), in groups of gguf_group_rows(qtype) rows, the last group padded with zero rows. A thread computing a
 // group's rows reads one sequential stream (separate row streams ran at half the bandwidth, linear_q.h), and the
 // bytes read are exactly the file's. Two layouts:
-// - 4-row groups (Q5_0, Q5_1, Q5_K, Q6_K): block b of the group's row r sits whole at byte (4 b + r) * block_bytes.
-// - 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0, Q4_K: "x16"): block b of the group is 16 block_bytes at
-//   byte 16 b block_bytes: the 16 rows' fp16 d (32 B), for Q4_1 / Q4_K then their fp16 m / dmin (32 B), then the
-//   rest of each row's block in chunks of 64 B, chunk c holding bytes 4c..4c+3 of it for each row in row order
-//   (Q4_0 / Q4_1: 4 chunks of the 16 nibble bytes, so chunk c's low nibbles are values 4c..4c+3 and its high ones
-//   16+4c..; Q8_0: 8 chunks of the 32 code bytes; Q4_K: 3 chunks of the 12 scale bytes, then 32 of the 128 nibble
-//   bytes). One vpdpbusd of a chunk against 4 broadcast activation bytes gives 16 rows' partial dots, one row a
-//   lane, so each block's scales apply once per 16 rows (linear_gguf_x16.h) instead of once per row.
+// - 4-row groups (Q5_0, Q5_1, Q5_K): block b of the group's row r sits whole at byte (4 b + r) * block_bytes.
+// - 16-row groups, rows in the lanes (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: "x16"): block b of the group is 16 block_bytes at
+//   byte 16 b block_bytes: the 16 rows' fp16 d (32 B; Q6_K's d, which its blocks store last), for Q4_1 / Q4_K then
+//   their fp16 m / dmin (32 B), then the rest of each row's block in chunks of 64 B, chunk c holding bytes 4c..4c+3 of
+//   it for each row in row order (Q4_0 / Q4_1: 4 chunks of the 16 nibble bytes, so chunk c's low nibbles are values
+//   4c..4c+3 and its high ones 16+4c..; Q8_0: 8 chunks of the 32 code bytes; Q4_K: 3 chunks of the 12 scale bytes, then
+//   32 of the 128 nibble bytes; Q6_K, in the order its kernel reads them: 4 chunks of the 16 int8 scales, then per half
+//   of the block 16 of its 64 low-nibble bytes and 8 of its 32 high-bit bytes, so file bytes 192-207, 0-63, 128-159,
+//   64-127, 160-191, gguf_q6k_chunk). One vpdpbusd of a chunk against 4 broadcast activation bytes gives 16 rows'
+//   partial dots, one row a lane, so each block's scales apply once per 16 rows (linear_gguf_x16.h) instead of once per
+//   row.
 //
 // Activations are quantized once per call, per row, symmetric and rounded to nearest, to int8 (-127..127) in
 // blocks of 32 (types with 32-value blocks, like ggml's q8_0) or 256 (K-quants, like q8_K), one fp32 scale per
@@ -49,8 +52,16 @@ inline GgufTypeInfo gguf_type_info(int64_t qtype) {
   }
 }
 
-inline bool gguf_x16(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K; }
+inline bool gguf_x16(int64_t qtype) {
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ6_K;
+}
 inline int64_t gguf_group_rows(int64_t qtype) { return gguf_x16(qtype) ? 16 : 4; }
+
+// File byte offset of the 16-row layout's Q6_K chunk c (of 52; the layout above).
+constexpr int gguf_q6k_chunk(int c) {
+  return c < 4 ? 192 + 4 * c : c < 20 ? 4 * (c - 4) : c < 28 ? 128 + 4 * (c - 20) : c < 44 ? 64 + 4 * (c - 28)
+                                                                                          : 160 + 4 * (c - 44);
+}
 
 // Row n's block b as GGUF stores it (block_bytes bytes): a pointer into the weight w (4-row groups), or `tmp`
 // (block_bytes at least) filled from the 16-row layout. For dequantizers, not hot loops.
@@ -62,8 +73,10 @@ inline const uint8_t* gguf_row_block(int64_t qtype, const uint8_t* w, int64_t ro
   if (g == 4) return group + (4 * b + r) * bytes;
   const uint8_t* blk = group + b * 16 * bytes;
   const int scales = qtype == kQ4_1 || qtype == kQ4_K ? 2 : 1, chunks = (bytes - 2 * scales) / 4;
-  for (int s = 0; s < scales; ++s) __builtin_memcpy(tmp + 2 * s, blk + 32 * s + 2 * r, 2);
-  for (int c = 0; c < chunks; ++c) __builtin_memcpy(tmp + 2 * scales + 4 * c, blk + 32 * scales + 64 * c + 4 * r, 4);
+  const bool q6k = qtype == kQ6_K;  // its d last, as the file has it, and its chunks in the kernel's order
+  for (int s = 0; s < scales; ++s) __builtin_memcpy(tmp + (q6k ? bytes - 2 : 2 * s), blk + 32 * s + 2 * r, 2);
+  for (int c = 0; c < chunks; ++c)
+    __builtin_memcpy(tmp + (q6k ? gguf_q6k_chunk(c) : 2 * scales + 4 * c), blk + 32 * scales + 64 * c + 4 * r, 4);
   return tmp;
 }
 
@@ -90,7 +103,9 @@ constexpr int64_t kGgufTileMinRows = 16;
 // Q4_K 11.1 / 15.2 ms at 48 / 64 rows against 13.5 / 14.9: 64.
 // The 4-row K-quants' integer dots stay ahead to 24 rows (Q6_K 10.9 vs 11.3): 32.
 inline int64_t gguf_amx_min_rows(int64_t qtype) {
-  return qtype == kQ4_K ? 64 : gguf_x16(qtype) ? 24 : gguf_type_info(qtype).values == 32 ? 16 : 32;
+  if (qtype == kQ4_K) return 64;
+  if (qtype == kQ6_K) return 32;  // (measured in the 4-row layout; not yet again in the 16-row one)
+  return gguf_x16(qtype) ? 24 : gguf_type_info(qtype).values == 32 ? 16 : 32;
 }
 // AMX-INT8 CPUs, the 16-row types: the amx8 path (linear_gguf_amx8.h) for rows in [first, second), ahead of both
 // the int8 dots and bf16 AMX (gguf_amx_min_rows applies above). AMX Xeon, 2 threads, GB/s of a Llama-1B layer's
@@ -107,7 +122,7 @@ inline int64_t gguf_amx_min_rows(int64_t qtype) {
 // (scripts/bench_verify_rows.py shapes, 8 SmolLM2 requests x 3 rows) 28.2-29.3 -> 25.6-27.6 ms, the 1B Q8_0 at
 // batch 24 137-140 -> 121-133 ms.
 inline std::pair<int64_t, int64_t> gguf_amx8_rows(int64_t qtype) {
-  if (!gguf_x16(qtype)) return {0, 0};
+  if (!gguf_x16(qtype) || qtype == kQ6_K) return {0, 0};  // (Q6_K has no amx8 kernel)
   return {12, qtype == kQ4_K ? 128 : 24};
 }
 constexpr int64_t kGgufTileChunk = 512;  // K values per tile (a multiple of 256): 512 x 32 x 4 B = 64 KiB, in L2

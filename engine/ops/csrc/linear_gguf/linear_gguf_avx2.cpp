@@ -52,6 +52,10 @@ struct X16Avx2 : GAvx2 {
     return _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C);
   }
   static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I srai16(I a, int n) { return _mm256_srai_epi16(a, n); }
+  static I srai32(I a, int n) { return _mm256_srai_epi32(a, n); }
+  static I slli32(I a, int n) { return _mm256_slli_epi32(a, n); }
   static I pairs(I w, uint32_t x4) { return _mm256_maddubs_epi16(w, _mm256_set1_epi32(static_cast<int>(x4))); }
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I widen(I p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }

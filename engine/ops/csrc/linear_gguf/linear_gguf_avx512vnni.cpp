@@ -96,6 +96,10 @@ struct X16Avx512 : GAvx512 {  // 16 rows a zmm, GAvx512's arithmetic; Q8_0 made 
     return _mm512_broadcast_i32x4(b);
   }
   static I srli16(I a, int n) { return _mm512_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm512_slli_epi16(a, n); }
+  static I srai16(I a, int n) { return _mm512_srai_epi16(a, n); }
+  static I srai32(I a, int n) { return _mm512_srai_epi32(a, n); }
+  static I slli32(I a, int n) { return _mm512_slli_epi32(a, n); }
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static I q8(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }

@@ -1,6 +1,6 @@
-// ember::linear_gguf's integer kernel for the 16-row layout (Q4_0, Q4_1, Q8_0, Q4_K; linear_gguf.h): run_block over
-// linear_gguf_x16_dots.h's dots (one vector of P::L rows of a group at a time) and, on AVX2 at a few activation rows,
-// linear_gguf_x16_both.h's (both halves of a group at once). Included inside the ISA's target region, after
+// ember::linear_gguf's integer kernel for the 16-row layout (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; linear_gguf.h): run_block
+// over linear_gguf_x16_dots.h's dots (one vector of P::L rows of a group at a time) and, on AVX2 at a few activation
+// rows, linear_gguf_x16_both.h's (both halves of a group at once). Included inside the ISA's target region, after
 // linear_gguf_body.h.
 #pragma once
 
@@ -19,6 +19,7 @@ struct X16Body {
   template <int T, int MT>
   static constexpr DotFn pick() {
     if constexpr (T == ember::kQ4_K) return D::template dot_q4k<MT>;
+    else if constexpr (T == ember::kQ6_K) return D::template dot_q6k<MT>;
     else return D::template dot<T, MT>;
   }
 
@@ -27,6 +28,13 @@ struct X16Body {
     constexpr DotFn f = pick<T, MT>();
     if constexpr (MT == 1) return f;
     else return mt == MT ? f : dot_for<T, MT - 1>(mt);
+  }
+
+  using BothFn = void (*)(const uint8_t*, const GgufActs&, int64_t, float*);
+  template <int MT>
+  static BothFn q6k_both_for(int64_t mt) {
+    if constexpr (MT == 1) return D::template dot_q6k_both<1>;
+    else return mt == MT ? D::template dot_q6k_both<MT> : q6k_both_for<MT - 1>(mt);
   }
 
   // res [mt, width] (width a multiple of L) into output rows m0.. and columns c0..: one vector store per L columns
@@ -51,7 +59,7 @@ struct X16Body {
   static void run_block(const GgufLinearArgs& a, int64_t block, float*) {
     const int64_t k = a.k, nb = k / D::template values<T>(), group_bytes = 16 * nb * D::template bytes<T>();
     const int64_t n0 = block * ember::kGgufBlockRows, n1 = g_min64(n0 + ember::kGgufBlockRows, a.n);
-    constexpr bool kq = T == ember::kQ4_K;
+    constexpr bool kq = T == ember::kQ4_K || T == ember::kQ6_K;
     float res[kWideTile * 16];  // 16 rows of output a row: dot_q4k_both writes both halves
     // AVX2's Q8_0 runs every row count as both-halves passes of 4 rows (its 8 chunks a block need no nibble split,
     // so re-reading a group from the cache per 4 rows costs less than the half passes' separate broadcasts). AMX
@@ -63,17 +71,25 @@ struct X16Body {
     // two tile sizes in turn on the same weights (a one-off script, 10 passes over 30 SmolLM2-shaped or 2 1B-shaped
     // layers), 8 -> 16: SmolLM2's Q4_1 0.95x at 16 rows, 0.97x at 24, 0.96x at 244; Q8_0 0.86x at 16, 0.90x at 32,
     // 1.00x at 244; the 1B's Q4_0 / Q4_1 / Q8_0 0.92 / 0.91 / 0.82x at 16, 0.96 / 0.96 / 0.88x at 32, 1.03 / 1.00 /
-    // 0.97x at 128. Q4_K's dots hold 16 decoded chunks and its scales: 8 rows. A row's dots are the same either way.
-    constexpr int64_t tile = H == 2 && T == ember::kQ8_0 ? B::kBothRows : H == 1 && T != ember::kQ4_K ? kWideTile
-                                                                                                       : kRowTile;
+    // 0.97x at 128. Q4_K's and Q6_K's dots hold 16 decoded chunks and their scales: 8 rows. A row's dots are the
+    // same either way. AVX2's Q6_K runs both halves a block at a time at every row count (dot_q6k_both): with a pass
+    // per half, a compiled batch-1 step of a 1B Q4_K_M (its Q6_K ~30 % of the bytes) took 28.7 and 23.6 ms against
+    // the former 4-row layout's 25.7 and 18.6, one pass 32.6 / 21.3 / 22.1 against 25.9 / 24.6 / 25.6 (Zen 4,
+    // EMBER_ISA=avx2, scripts/profile_decode.py FILE --batch 1 --context 256, trees in turn).
+    constexpr int64_t tile = H == 2 && T == ember::kQ8_0 ? B::kBothRows : H == 1 && !kq ? kWideTile : kRowTile;
     for (int64_t m0 = 0; m0 < a.rows; m0 += tile) {
       const int64_t mt = g_min64(tile, a.rows - m0);
       const DotFn fn = dot_for<T, static_cast<int>(tile)>(mt);
-      const GgufActs x{a.x.q + m0 * a.x.ldq, a.x.d + m0 * nb, nullptr, kq ? nullptr : a.x.off + m0 * nb,
-                       kq ? nullptr : a.x.msum + m0 * nb, nullptr, nullptr,
-                       kq ? a.x.s32 + m0 * (k / 32) : nullptr, a.x.ldq};
+      const GgufActs x{a.x.q + m0 * a.x.ldq, a.x.d + m0 * nb, a.x.bsum + m0 * (k / 16),
+                       kq ? nullptr : a.x.off + m0 * nb, kq ? nullptr : a.x.msum + m0 * nb, nullptr, nullptr,
+                       T == ember::kQ4_K ? a.x.s32 + m0 * (k / 32) : nullptr, a.x.ldq};
       for (int64_t gi = n0 / 16; gi < (n1 + 15) / 16; ++gi) {
-        if constexpr (H == 2) {
+        if constexpr (H == 2 && T == ember::kQ6_K) {
+          q6k_both_for<static_cast<int>(tile)>(mt)(a.w + gi * group_bytes, x, k, res);
+          store_rows(a, m0, mt, 16 * gi, 16, n1, res);
+          continue;
+        }
+        if constexpr (H == 2 && T != ember::kQ6_K) {
           if (mt <= B::kBothRows) {
             B::template both_for<T, B::kBothRows>(mt)(a.w + gi * group_bytes, x, k, res);
             store_rows(a, m0, mt, 16 * gi, 16, n1, res);

@@ -1,5 +1,5 @@
-// ember::linear_gguf's integer dots for the 16-row layout (Q4_0, Q4_1, Q8_0, Q4_K; linear_gguf.h), written once
-// over a policy P (linear_gguf_avx2.cpp, _avx512vnni.cpp):
+// ember::linear_gguf's integer dots for the 16-row layout (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; linear_gguf.h), written
+// once over a policy P (linear_gguf_avx2.cpp, _avx512vnni.cpp):
 //   P::I / P::F   integer / float vector of P::L rows, one row a 32-bit lane (AVX-512: 16 rows, AVX2: 8, so a group
 //                 is 16 / L vectors)
 //   P::load(p)    L * 4 bytes: one chunk's rows; P::half(p): L fp16 -> fp32
@@ -10,11 +10,13 @@
 //                 dotted signed
 //   P::shuffle, lane_idx, srli16, or_, madd16  Q4_K's per-lane 6-bit scale and min unpacking (vpshufb), the mins'
 //                 dot (vpmaddwd); its scales apply in int32 (P::mullo, or the pair sums' widening vpmaddwd)
+//   P::slli16, srai16, srai32, slli32  Q6_K's high code bits moved into place, its signed scales widened
 // Each block (32 values) costs, per activation row, 8 dots and one scale FMA (two with Q4_1's min) for all 16 rows
 // of a group: the 4-row layout's per-row float work was what bound its small batches (linear_gguf.h).
 // linear_gguf_x16_both.h runs AVX2's two halves of a group in one pass; linear_gguf_x16.h drives them.
 // Included inside the ISA's target region, after linear_gguf_body.h.
 #pragma once
+
 
 #include "linear_gguf/linear_gguf_body.h"
 
@@ -27,11 +29,18 @@ struct X16Dots {
   static constexpr int L = P::L, H = 16 / L;
 
   template <int T> static constexpr int bytes() {
-    return T == ember::kQ4_0 ? 18 : T == ember::kQ4_1 ? 20 : T == ember::kQ8_0 ? 34 : 144;
+    return T == ember::kQ4_0 ? 18 : T == ember::kQ4_1 ? 20 : T == ember::kQ8_0 ? 34 : T == ember::kQ4_K ? 144 : 210;
   }
-  template <int T> static constexpr int values() { return T == ember::kQ4_K ? 256 : 32; }
+  template <int T> static constexpr int values() { return T == ember::kQ4_K || T == ember::kQ6_K ? 256 : 32; }
 
   static void prefetch(const uint8_t* p, int bytes) { g_prefetch(p, bytes); }
+  // Q6_K's lines, 4 KiB ahead into L2 (g_prefetch: 2 KiB into L1). Its blocks are 3360 bytes a group, and with
+  // g_prefetch the kernel stalled on the prefetches themselves (perf: ~45 % of its samples after them, the L1's
+  // outstanding misses full): Zen 4, 2 threads, ms a Llama-1B layer (scripts/bench_linear.py --types Q6_K) at 1 / 4
+  // / 8 rows, 2.60 / 3.08 / 3.42 -> 1.35 / 1.69 / 2.36 (6 KiB: 1.69 / 1.81 / 2.22; none: 3.53 / 4.97 / 5.38).
+  static void prefetch_l2(const uint8_t* p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + 4096 + o), _MM_HINT_T1);
+  }
 
   static uint32_t x4(const int8_t* x, int c) { return g_load32(reinterpret_cast<const uint8_t*>(x + 4 * c)); }
 
@@ -247,6 +256,113 @@ struct X16Dots {
     for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
   }
 
+  // Q6_K's 16 int8 sub-block scales per lane, from its 4 scale chunks at sc (chunk c: scales 4c..4c+3): scp[s] as
+  // sum4_scaled takes them (int32, or int16 pairs (s, s) for kPairSums), scpair[p] as int16 pairs (sc[2p],
+  // sc[2p + 1]) for the offset's vpmaddwd. Each byte is moved to the top of its unit by vpshufb, then shifted down
+  // arithmetically (the scales are signed).
+  static void q6k_scales(const uint8_t* sc, I* scp, I* scpair) {
+    for (int c = 0; c < 4; ++c) {
+      const I u = P::load(sc + 64 * c);
+      for (uint32_t i = 0; i < 4; ++i) {
+        if constexpr (P::kPairSums)
+          scp[4 * c + i] = P::srai16(P::shuffle(u, lane_idx(0x800080u | i << 8 | i << 24)), 8);
+        else
+          scp[4 * c + i] = P::srai32(P::shuffle(u, lane_idx(0x808080u | i << 24)), 24);
+      }
+      for (uint32_t p = 0; p < 2; ++p)
+        scpair[2 * c + p] = P::srai16(P::shuffle(u, lane_idx(0x800080u | (2 * p) << 8 | (2 * p + 1) << 24)), 8);
+    }
+  }
+
+  // Per lane, sc times the sum over c < 4 of w[c]'s 4 bytes (6-bit codes) times xs[4c..4c+3], exact in int32.
+  // kPairSums: vpmaddubsw pairs two chunks at a time (2 x 2 x 63 x 127 = 32004 fits int16, four chunks would not),
+  // each widened by the scale in vpmaddwd.
+  static I sum4_scaled(const I* w, const int8_t* xs, I sc) {
+    if constexpr (P::kPairSums) {
+      const I a = P::add16(P::pairs(w[0], x4(xs, 0)), P::pairs(w[1], x4(xs, 1)));
+      const I b = P::add16(P::pairs(w[2], x4(xs, 2)), P::pairs(w[3], x4(xs, 3)));
+      return P::add(P::madd16(a, sc), P::madd16(b, sc));
+    } else {
+      I s = P::dot(P::izero(), w[0], x4(xs, 0));
+      for (int c = 1; c < 4; ++c) s = P::dot(s, w[c], x4(xs, c));
+      return P::mullo(s, sc);
+    }
+  }
+
+  // Q6_K: acc + a block's share for one activation row, xd d (isum - 32 sum_s sc_s xsum_s), the offset's sums
+  // (bs: the row's sums over 16 values) through vpmaddwd against the scale pairs.
+  static F scale_q6k(I isum, F d, const I* scpair, const int16_t* bs, float xd, F acc) {
+    const uint8_t* xs = reinterpret_cast<const uint8_t*>(bs);
+    I off = P::madd16(scpair[0], P::set1i(static_cast<int32_t>(g_load32(xs))));
+    for (int p = 1; p < 8; ++p)
+      off = P::add(off, P::madd16(scpair[p], P::set1i(static_cast<int32_t>(g_load32(xs + 4 * p)))));
+    return P::fma(P::cvt(P::sub(isum, P::slli32(off, 5))), P::mul(d, P::set1(xd)), acc);
+  }
+
+  // The same for Q6_K: per 256-value block the rows' d, then 52 chunks: 4 of the scales, then per half hh 16 of
+  // the low-nibble bytes ql and 8 of the high-bit bytes qh (linear_gguf.h). Value 128 hh + 32 j + l is
+  // ql[64 hh + 32 (j % 2) + l]'s low (j < 2) or high nibble with bits 2j, 2j + 1 of qh[32 hh + l] above it, so
+  // chunk 4 + 24 hh + 8 (j % 2) + l / 4 with chunk 20 + 24 hh + l / 4 gives four values of j and of j + 2.
+  // y = xd d sum_s sc_s (dot_s - 32 xsum_s), all but the last product exact in int32 (|dot_s| <= 16 x 63 x 127,
+  // |sc_s| <= 128: under 2^29 for the block), as the scalar reference.
+  // One block of dot_q6k (of half h of its group): acc[m] + its share for activation row m.
+  template <int MT>
+  static void q6k_block(const uint8_t* blk, int h, const GgufActs& x, int64_t k, int64_t sb, F* acc) {
+    const I m4 = P::mask8(0x0F), m30 = P::mask8(0x30);
+    const uint8_t* q = blk + 32 + 4 * L * h;  // chunk c at q + 64 c
+    // Lines prefetched one at a time as they are read (a burst stalls the loads behind it, as dot_q4k found).
+    if (h == 0) prefetch_l2(blk, 32);  // the rows' d
+    const F d = P::half(blk + 2 * L * h);
+    if (h == 0) prefetch_l2(blk + 32, 4 * 64);
+    I scp[16], scpair[8];
+    q6k_scales(q, scp, scpair);
+    I isum[MT];
+    for (int hh = 0; hh < 2; ++hh)
+      for (int jj = 0; jj < 2; ++jj) {
+        I w[16];  // values 128 hh + 32 jj + 4 l.. (w[l], l < 8), and 64 further (w[8 + l]): j = jj and jj + 2
+        for (int l = 0; l < 8; ++l) {
+          const uint8_t* lo = q + 64 * (4 + 24 * hh + 8 * jj + l);
+          const uint8_t* hi = q + 64 * (20 + 24 * hh + l);
+          if (h == 0) prefetch_l2(lo, 64);
+          if (h == 0 && jj == 0) prefetch_l2(hi, 64);
+          const I a = P::load(lo), qh = P::load(hi);
+          const I bits_lo = jj == 0 ? P::slli16(qh, 4) : P::slli16(qh, 2);  // bits 2j.. to 4..5
+          const I bits_hi = jj == 0 ? qh : P::srli16(qh, 2);
+          w[l] = P::or_(P::and_(a, m4), P::and_(bits_lo, m30));
+          w[8 + l] = P::or_(P::and_(P::srli16_4(a), m4), P::and_(bits_hi, m30));
+        }
+        const int s0 = 8 * hh + 2 * jj;  // the sub-block of w[0..3]; w[4..7]'s is s0 + 1, w[8..]'s s0 + 4, s0 + 5
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xm = x.q + m * x.ldq + 256 * sb + 128 * hh + 32 * jj;
+          const I t = P::add(P::add(sum4_scaled(w, xm, scp[s0]), sum4_scaled(w + 4, xm + 16, scp[s0 + 1])),
+                             P::add(sum4_scaled(w + 8, xm + 64, scp[s0 + 4]),
+                                    sum4_scaled(w + 12, xm + 80, scp[s0 + 5])));
+          isum[m] = hh == 0 && jj == 0 ? t : P::add(isum[m], t);
+        }
+      }
+    const int64_t nsb = k / 256;
+    for (int m = 0; m < MT; ++m)
+      acc[m] = scale_q6k(isum[m], d, scpair, x.bsum + m * (k / 16) + 16 * sb, x.d[m * nsb + sb], acc[m]);
+  }
+
+  template <int MT>
+  static void dot_q6k(const uint8_t* g, int h, const GgufActs& x, int64_t k, float* res) {
+    F acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = P::zero();
+    for (int64_t sb = 0; sb < k / 256; ++sb) q6k_block<MT>(g + sb * 16 * 210, h, x, k, sb, acc);
+    for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
+  }
+
+  // Both halves of a group a block at a time (AVX2: H = 2), res [MT, 16]: each line read once.
+  template <int MT>
+  static void dot_q6k_both(const uint8_t* g, const GgufActs& x, int64_t k, float* res) {
+    F acc[2][MT];
+    for (int m = 0; m < MT; ++m) acc[0][m] = acc[1][m] = P::zero();
+    for (int64_t sb = 0; sb < k / 256; ++sb)
+      for (int h = 0; h < 2; ++h) q6k_block<MT>(g + sb * 16 * 210, h, x, k, sb, acc[h]);
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h) P::storef(res + 16 * m + L * h, acc[h][m]);
+  }
 };
 
 }  // namespace
