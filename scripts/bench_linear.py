@@ -127,7 +127,8 @@ def main() -> None:
         runs = [(v, t, p) for v, t in tiers.items() for p in args.paths if p not in ("amx", "amx8")]
         if "amx" in args.paths and torch.ops.ember.isa_has_amx():
             runs.append(("amx", "avx512bf16", "amx"))
-        if "amx8" in args.paths and torch.ops.ember.isa_has_amx_int8() and gb.group_rows(qtype) == 16:
+        if "amx8" in args.paths and torch.ops.ember.isa_has_amx_int8() and gb.group_rows(qtype) == 16 and \
+                tname != "Q6_K":  # (the amx8 path's types: the 16-row ones but Q6_K)
             runs.append(("amx8", "avx512bf16", "amx8"))
         for variant, tier, path in runs:
             ops = [(f"gguf:{path}" if path != "auto" else "linear_gguf", new,
