@@ -17,7 +17,6 @@
 // Included inside the ISA's target region, after linear_gguf_body.h.
 #pragma once
 
-
 #include "linear_gguf/linear_gguf_body.h"
 
 namespace {
@@ -299,13 +298,13 @@ struct X16Dots {
     return P::fma(P::cvt(P::sub(isum, P::slli32(off, 5))), P::mul(d, P::set1(xd)), acc);
   }
 
-  // The same for Q6_K: per 256-value block the rows' d, then 52 chunks: 4 of the scales, then per half hh 16 of
-  // the low-nibble bytes ql and 8 of the high-bit bytes qh (linear_gguf.h). Value 128 hh + 32 j + l is
-  // ql[64 hh + 32 (j % 2) + l]'s low (j < 2) or high nibble with bits 2j, 2j + 1 of qh[32 hh + l] above it, so
-  // chunk 4 + 24 hh + 8 (j % 2) + l / 4 with chunk 20 + 24 hh + l / 4 gives four values of j and of j + 2.
-  // y = xd d sum_s sc_s (dot_s - 32 xsum_s), all but the last product exact in int32 (|dot_s| <= 16 x 63 x 127,
-  // |sc_s| <= 128: under 2^29 for the block), as the scalar reference.
-  // One block of dot_q6k (of half h of its group): acc[m] + its share for activation row m.
+  // Q6_K, one 256-value block of half h of a group: acc[m] + its share for activation row m. The block holds the
+  // rows' d, then 52 chunks: 4 of the scales, then per half hh of the block 16 of the low-nibble bytes ql and 8 of
+  // the high-bit bytes qh (linear_gguf.h). Value 128 hh + 32 j + l is ql[64 hh + 32 (j % 2) + l]'s low (j < 2) or
+  // high nibble with bits 2j, 2j + 1 of qh[32 hh + l] above it, so chunk 4 + 24 hh + 8 (j % 2) + l / 4 with chunk
+  // 20 + 24 hh + l / 4 gives four values of j and of j + 2. y = xd d sum_s sc_s (dot_s - 32 xsum_s), all but the
+  // last product exact in int32 (|dot_s| <= 16 x 63 x 127, |sc_s| <= 128: under 2^29 for the block), as the scalar
+  // reference computes it.
   template <int MT>
   static void q6k_block(const uint8_t* blk, int h, const GgufActs& x, int64_t k, int64_t sb, F* acc) {
     const I m4 = P::mask8(0x0F), m30 = P::mask8(0x30);
@@ -345,6 +344,7 @@ struct X16Dots {
       acc[m] = scale_q6k(isum[m], d, scpair, x.bsum + m * (k / 16) + 16 * sb, x.d[m * nsb + sb], acc[m]);
   }
 
+  // res[m * L + l]: as dot's, for Q6_K.
   template <int MT>
   static void dot_q6k(const uint8_t* g, int h, const GgufActs& x, int64_t k, float* res) {
     F acc[MT];
