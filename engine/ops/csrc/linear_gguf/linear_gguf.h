@@ -38,7 +38,7 @@ struct GgufTypeInfo {
 };
 
 // {0, 0} for a type this op does not run.
-inline GgufTypeInfo gguf_type_info(int64_t qtype) {
+constexpr GgufTypeInfo gguf_type_info(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: return {32, 18};   // fp16 d, 16 B nibbles:                 d * (q - 8)
     case kQ4_1: return {32, 20};   // fp16 d, fp16 m, 16 B nibbles:         d * q + m
@@ -52,10 +52,10 @@ inline GgufTypeInfo gguf_type_info(int64_t qtype) {
   }
 }
 
-inline bool gguf_x16(int64_t qtype) {
+constexpr bool gguf_x16(int64_t qtype) {
   return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ6_K;
 }
-inline int64_t gguf_group_rows(int64_t qtype) { return gguf_x16(qtype) ? 16 : 4; }
+constexpr int64_t gguf_group_rows(int64_t qtype) { return gguf_x16(qtype) ? 16 : 4; }
 
 // File byte offset of the 16-row layout's Q6_K chunk c (of 52; the layout above).
 constexpr int gguf_q6k_chunk(int c) {

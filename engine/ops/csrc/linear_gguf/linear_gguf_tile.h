@@ -137,8 +137,7 @@ template <class V, class VF, class X>
 struct GgufKernels {
   template <int T>
   static ember::GgufKernel entry() {
-    constexpr bool x16 = T == ember::kQ4_0 || T == ember::kQ4_1 || T == ember::kQ8_0 || T == ember::kQ4_K ||
-                         T == ember::kQ6_K;
+    constexpr bool x16 = ember::gguf_x16(T);
     constexpr int lane = x16 ? (T == ember::kQ4_0 ? 8 : T == ember::kQ8_0 && X::kQ8Offset ? 128 : 0)
                              : T == ember::kQ5_0 ? 2 : 0;
     constexpr bool kq = T == ember::kQ4_K || T == ember::kQ5_K || T == ember::kQ6_K;

@@ -27,10 +27,8 @@ struct X16Dots {
   using F = typename P::F;
   static constexpr int L = P::L, H = 16 / L;
 
-  template <int T> static constexpr int bytes() {
-    return T == ember::kQ4_0 ? 18 : T == ember::kQ4_1 ? 20 : T == ember::kQ8_0 ? 34 : T == ember::kQ4_K ? 144 : 210;
-  }
-  template <int T> static constexpr int values() { return T == ember::kQ4_K || T == ember::kQ6_K ? 256 : 32; }
+  template <int T> static constexpr int bytes() { return ember::gguf_type_info(T).bytes; }
+  template <int T> static constexpr int values() { return ember::gguf_type_info(T).values; }
 
   static void prefetch(const uint8_t* p, int bytes) { g_prefetch(p, bytes); }
   // Q6_K's lines, 4 KiB ahead into L2 (g_prefetch: 2 KiB into L1). Its blocks are 3360 bytes a group, and with
@@ -349,7 +347,7 @@ struct X16Dots {
   static void dot_q6k(const uint8_t* g, int h, const GgufActs& x, int64_t k, float* res) {
     F acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = P::zero();
-    for (int64_t sb = 0; sb < k / 256; ++sb) q6k_block<MT>(g + sb * 16 * 210, h, x, k, sb, acc);
+    for (int64_t sb = 0; sb < k / 256; ++sb) q6k_block<MT>(g + sb * 16 * bytes<ember::kQ6_K>(), h, x, k, sb, acc);
     for (int m = 0; m < MT; ++m) P::storef(res + m * L, acc[m]);
   }
 
@@ -359,7 +357,7 @@ struct X16Dots {
     F acc[2][MT];
     for (int m = 0; m < MT; ++m) acc[0][m] = acc[1][m] = P::zero();
     for (int64_t sb = 0; sb < k / 256; ++sb)
-      for (int h = 0; h < 2; ++h) q6k_block<MT>(g + sb * 16 * 210, h, x, k, sb, acc[h]);
+      for (int h = 0; h < 2; ++h) q6k_block<MT>(g + sb * 16 * bytes<ember::kQ6_K>(), h, x, k, sb, acc[h]);
     for (int m = 0; m < MT; ++m)
       for (int h = 0; h < 2; ++h) P::storef(res + 16 * m + L * h, acc[h][m]);
   }
